@@ -1,0 +1,1 @@
+"""adaspec control (built by its own issue)."""

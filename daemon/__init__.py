@@ -1,0 +1,1 @@
+"""adaspec daemon (built by its own issue)."""

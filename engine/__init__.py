@@ -1,0 +1,1 @@
+"""adaspec engine: the model runtime and the speculative loop."""

@@ -1,0 +1,204 @@
+"""Load and save Hugging Face checkpoint directories.
+
+A checkpoint is `config.json`, `model.safetensors` (or shards with `model.safetensors.index.json`),
+`tokenizer.json` and optionally `generation_config.json`. Tensor names are Hugging Face's; the
+runtime fuses q/k/v and gate/up projections, so names are mapped here in both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from engine.config import CheckpointError, ModelConfig
+from engine.device import resolve_device, resolve_dtype
+from engine.model import Transformer
+
+# Our fused parameter -> the Hugging Face tensors concatenated (in order) along dim 0.
+_FUSED = {
+    "self_attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.gate_up.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# Buffers some exporters write that carry nothing we need.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+
+def hf_names(name: str) -> tuple[str, ...]:
+    """The Hugging Face tensor names that make up our parameter `name`."""
+    match = _LAYER.match(name)
+    if match:
+        index, rest = match.groups()
+        parts = _FUSED.get(rest, (rest,))
+        return tuple(f"model.layers.{index}.{p}" for p in parts)
+    if name == "lm_head.weight":
+        return (name,)
+    return (f"model.{name}",)
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        parts = hf_names(name)
+        if len(parts) == 1:
+            out[parts[0]] = tensor.contiguous()
+            continue
+        sizes = _fused_sizes(model.config, name)
+        for part, piece in zip(parts, tensor.split(sizes, dim=0)):
+            out[part] = piece.contiguous()
+    return out
+
+
+def _fused_sizes(config: ModelConfig, name: str) -> list[int]:
+    if "qkv" in name:
+        kv = config.num_kv_heads * config.head_dim
+        return [config.num_heads * config.head_dim, kv, kv]
+    return [config.intermediate_size, config.intermediate_size]
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.exists():
+                raise CheckpointError(f"{index}: shard {file.name} is missing")
+        return files
+    if single.exists():
+        with safe_open(single, framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_checkpoint(
+    path: str | Path,
+    device: str = "cpu",
+    dtype: str | None = None,
+    max_positions: int | None = None,
+) -> Checkpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    config = ModelConfig.from_file(path / "config.json")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    files = _tensor_files(path)
+
+    with torch.device("meta"):
+        model = Transformer(config, max_positions=max_positions)
+    expected = {}
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        expected[name] = param.shape
+
+    wanted = {hf: name for name in expected for hf in hf_names(name)}
+    unexpected = sorted(n for n in files if n not in wanted and not _IGNORED.search(n))
+    if unexpected:
+        raise CheckpointError(
+            f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
+    missing = sorted(n for n in wanted if n not in files)
+    if missing:
+        raise CheckpointError(
+            f"{path}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+
+    handles = {file: safe_open(file, framework="pt") for file in set(files.values())}
+    state: dict[str, Tensor] = {}
+    for name, shape in expected.items():
+        pieces = []
+        parts = hf_names(name)
+        sizes = _fused_sizes(config, name) if len(parts) > 1 else [shape[0]]
+        for part, rows in zip(parts, sizes):
+            tensor = handles[files[part]].get_tensor(part)
+            want = (rows, *shape[1:])
+            if tuple(tensor.shape) != tuple(want):
+                raise CheckpointError(
+                    f"{files[part]}: tensor {part!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
+                )
+            pieces.append(tensor)
+        state[name] = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch_dtype)
+
+    model = model.to_empty(device=torch_device)
+    model.load_state_dict(state, strict=False)
+    model.build_rope()  # the tables were made on the meta device
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+
+    tokenizer_path = path / "tokenizer.json"
+    if not tokenizer_path.exists():
+        raise CheckpointError(f"{tokenizer_path}: not found")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    return Checkpoint(path, config, model, tokenizer, _eos_ids(path))
+
+
+def _eos_ids(path: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if not file.exists():
+            continue
+        value = json.loads(file.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+        if ids:
+            break
+    return frozenset(ids)
+
+
+def save_checkpoint(
+    model: Transformer,
+    path: str | Path,
+    hf_config: dict,
+    tokenizer: Tokenizer | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    generation_config: dict | None = None,
+) -> None:
+    """Write `model` as a Hugging Face checkpoint directory loadable here and by transformers."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype) for k, v in to_hf_state_dict(model).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(
+        json.dumps({**hf_config, "torch_dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n"
+    )
+    if tokenizer is not None:
+        tokenizer.save(str(path / "tokenizer.json"))
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")

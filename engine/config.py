@@ -1,0 +1,150 @@
+"""The model's shape, read from a Hugging Face `config.json`.
+
+One decoder covers the Llama, Mistral, Qwen2 and Qwen3 families; the family only decides which
+optional parts are switched on (biases, q/k norms, sliding window).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v (Qwen2; Llama with attention_bias)
+    output_bias: bool = False  # bias on o_proj (Llama with attention_bias)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        family = None
+        for name in architectures:
+            family = SUPPORTED_ARCHITECTURES.get(name)
+            if family:
+                break
+        if family is None:
+            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                raw.get("model_type", "")
+            )
+        if family is None:
+            found = architectures or raw.get("model_type")
+            raise CheckpointError(
+                f"{source}: unsupported architecture {found!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            config = cls(
+                family=family,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope=_rope_from_hf(raw, source),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                output_bias=family in ("llama", "qwen3") and bool(raw.get("attention_bias", False)),
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                qk_norm=family == "qwen3",
+                sliding_window=_sliding_window(family, raw, source),
+            )
+        except KeyError as missing:
+            raise CheckpointError(f"{source}: missing key {missing.args[0]!r}") from None
+        if config.num_heads % config.num_kv_heads:
+            raise CheckpointError(
+                f"{source}: num_attention_heads {config.num_heads} is not a multiple of "
+                f"num_key_value_heads {config.num_kv_heads}"
+            )
+        return config
+
+    @classmethod
+    def from_file(cls, path: Path) -> ModelConfig:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: not found") from None
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{path}: invalid JSON ({err})") from None
+        return cls.from_hf(raw, str(path))
+
+    def num_parameters(self) -> int:
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        embeddings = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + d
+
+
+def _rope_from_hf(raw: dict[str, Any], source: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise CheckpointError(f"{source}: rope type {kind!r} is not supported ('default', 'llama3')")
+
+
+def _sliding_window(family: str, raw: dict[str, Any], source: str) -> int | None:
+    window = raw.get("sliding_window")
+    if family == "mistral":
+        return int(window) if window else None
+    if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        raise CheckpointError(f"{source}: use_sliding_window=true is not supported for {family}")
+    return None

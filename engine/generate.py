@@ -1,0 +1,104 @@
+"""Target-only generation: the reference that speculative decoding must reproduce.
+
+python -m engine.generate --model models/target "def fibonacci(n):"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.model import ForwardBatch
+from engine.sampling import SamplingParams, next_token
+
+
+@dataclass
+class Completion:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+def finish_reason(
+    tokens: Sequence[int], params: SamplingParams, eos_ids: frozenset[int], text: str | None
+) -> str | None:
+    """Why a sequence whose output so far is `tokens` (decoded: `text`) must end, or None."""
+    if tokens and not params.ignore_eos and tokens[-1] in eos_ids:
+        return "stop"
+    if text is not None and any(stop in text for stop in params.stop):
+        return "stop"
+    if len(tokens) >= params.max_tokens:
+        return "length"
+    return None
+
+
+@torch.inference_mode()
+def generate(
+    checkpoint: Checkpoint,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+) -> list[Completion]:
+    """Decode every prompt with the target alone, all in one batch."""
+    model, tokenizer = checkpoint.model, checkpoint.tokenizer
+    all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    max_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, all_params))
+    cache = model.new_cache(len(prompts), max_len)
+    slots = [cache.allocate() for _ in prompts]
+    generators = [sp.generator(checkpoint.device) for sp in all_params]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    reasons: list[str | None] = [None] * len(prompts)
+
+    active = list(range(len(prompts)))
+    pending = [list(p) for p in prompts]  # tokens each sequence feeds next
+    while active:
+        batch = ForwardBatch.build(
+            cache, [slots[i] for i in active], [pending[i] for i in active], model.config.sliding_window
+        )
+        logits = model(batch, cache, last_only=True).logits[:, -1]
+        still = []
+        for row, i in enumerate(active):
+            token = next_token(logits[row], all_params[i], generators[i])
+            outputs[i].append(token)
+            text = tokenizer.decode(outputs[i]) if all_params[i].stop else None
+            reasons[i] = finish_reason(outputs[i], all_params[i], checkpoint.eos_token_ids, text)
+            pending[i] = [token]
+            if reasons[i] is None:
+                still.append(i)
+        active = still
+    return [Completion(list(p), out, r or "length") for p, out, r in zip(prompts, outputs, reasons)]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Generate text with the target model alone.")
+    parser.add_argument("prompts", nargs="+", help="one or more prompts, decoded as one batch")
+    parser.add_argument("--model", default="models/target", help="Hugging Face checkpoint directory")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    checkpoint = load_checkpoint(args.model, args.device, args.dtype)
+    params = SamplingParams(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    prompts = [checkpoint.tokenizer.encode(p).ids for p in args.prompts]
+    started = time.perf_counter()
+    completions = generate(checkpoint, prompts, params)
+    seconds = time.perf_counter() - started
+    for prompt, completion in zip(args.prompts, completions):
+        print(prompt + checkpoint.tokenizer.decode(completion.tokens))
+        print("-" * 60)
+    total = sum(len(c.tokens) for c in completions)
+    print(f"{total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""One decoder for the Llama, Mistral, Qwen2 and Qwen3 families, in plain PyTorch.
+
+The forward takes a ragged batch: each sequence brings any number of new tokens (a prompt, one
+decode token, or the k+1 tokens of a speculative verify), appends their keys and values to its own
+cache slot, and attends to everything before them. Projections are fused (qkv, gate+up) because
+on small models the cost per token is dominated by the number of kernels, not their size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import ModelConfig, RopeConfig
+from engine.kv_cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    """Where each new token goes: built on the host once per forward by `ForwardBatch.build`."""
+
+    tokens: Tensor  # [B, T] new tokens, right-padded
+    positions: Tensor  # [B, T] absolute position of each token (RoPE and the causal mask)
+    write_pos: Tensor  # [B, T] cache position each token is written to; padding -> scratch row
+    slots: Tensor  # [B] cache slot of each sequence
+    slot_start: int | None  # slots are slot_start, slot_start+1, ...: the cache is read as a view
+    num_new: list[int]  # real (unpadded) new tokens per sequence
+    kv_len: int  # how many cache positions attention reads
+    mask: Tensor | None  # [B, 1, T, kv_len], True where a key is visible; None when all are
+
+    @classmethod
+    def build(
+        cls,
+        cache: KVCache,
+        slots: Sequence[int],
+        new_tokens: Sequence[Sequence[int]],
+        sliding_window: int | None = None,
+    ) -> ForwardBatch:
+        device = cache.k.device
+        num_new = [len(t) for t in new_tokens]
+        width = max(num_new)
+        starts = [cache.lengths[s] for s in slots]
+        for slot, start, n in zip(slots, starts, num_new):
+            if n == 0:
+                raise ValueError(f"slot {slot}: a forward needs at least one new token")
+            if start + n > cache.max_seq_len:
+                raise ValueError(f"slot {slot}: {start} + {n} tokens exceed max_seq_len {cache.max_seq_len}")
+        tokens = torch.zeros(len(slots), width, dtype=torch.long)
+        for row, t in enumerate(new_tokens):
+            tokens[row, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+        start_t = torch.tensor(starts, dtype=torch.long)[:, None]
+        offsets = torch.arange(width, dtype=torch.long)[None, :]
+        positions = start_t + offsets
+        real = offsets < torch.tensor(num_new, dtype=torch.long)[:, None]
+        write_pos = torch.where(real, positions, torch.full_like(positions, cache.scratch_pos))
+        kv_len = max(s + n for s, n in zip(starts, num_new))
+        mask = None
+        ragged = width > 1 or any(s + n != kv_len for s, n in zip(starts, num_new))
+        if ragged or (sliding_window is not None and kv_len > sliding_window):
+            key_pos = torch.arange(kv_len, dtype=torch.long)[None, None, :]
+            visible = key_pos <= positions[:, :, None]
+            if sliding_window is not None:
+                visible &= key_pos > positions[:, :, None] - sliding_window
+            mask = visible[:, None].to(device)
+        contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
+        return cls(
+            tokens=tokens.to(device),
+            positions=positions.clamp_(max=cache.max_seq_len - 1).to(device),
+            write_pos=write_pos.to(device),
+            slots=torch.tensor(list(slots), dtype=torch.long, device=device),
+            slot_start=slots[0] if contiguous else None,
+            num_new=num_new,
+            kv_len=kv_len,
+            mask=mask,
+        )
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [B, T, V], or [B, 1, V] with last_only
+    hidden: dict[int, Tensor]  # layer index -> that layer's output [B, T, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch | None, cache: KVCache | None) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.num_heads, self.head_dim)
+        k = k.view(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        v = v.view(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        if batch is None or cache is None:  # training: plain causal attention over x
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
+        else:
+            k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+            rows = batch.slots[:, None].expand(bsz, seqlen)
+            k_cache.index_put_((rows, batch.write_pos), k)
+            v_cache.index_put_((rows, batch.write_pos), v)
+            if batch.slot_start is not None:
+                keys = k_cache[batch.slot_start : batch.slot_start + bsz, : batch.kv_len]
+                values = v_cache[batch.slot_start : batch.slot_start + bsz, : batch.kv_len]
+            else:
+                keys = k_cache[batch.slots, : batch.kv_len]
+                values = v_cache[batch.slots, : batch.kv_len]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=batch.mask,
+                enable_gqa=True,
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch | None, cache: KVCache | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.build_rope()
+
+    def build_rope(self) -> None:
+        device = self.embed_tokens.weight.device
+        positions = torch.arange(self.max_positions, device=device).float()
+        inv_freq = rope_inverse_frequencies(self.config.rope, self.config.head_dim).to(device)
+        angles = torch.outer(positions, inv_freq).repeat(1, 2)
+        self.rope_cos = angles.cos()
+        self.rope_sin = angles.sin()
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: KVCache,
+        last_only: bool = False,
+        capture: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """Run the new tokens of `batch`, appending them to `cache`, and return their logits."""
+        x = self.embed_tokens(batch.tokens)
+        dtype = x.dtype
+        cos = self.rope_cos[batch.positions].to(dtype).unsqueeze(2)
+        sin = self.rope_sin[batch.positions].to(dtype).unsqueeze(2)
+        hidden: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, cache)
+            if i in capture:
+                hidden[i] = x
+        if last_only:
+            last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        for slot, n in zip(batch.slots.tolist(), batch.num_new):
+            cache.lengths[slot] += n
+        return ForwardOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
+
+    def forward_train(self, tokens: Tensor) -> Tensor:
+        """Causal forward over whole sequences without a cache; returns logits [B, T, V]."""
+        x = self.embed_tokens(tokens)
+        seqlen = tokens.shape[1]
+        cos = self.rope_cos[:seqlen].to(x.dtype)[None, :, None]
+        sin = self.rope_sin[:seqlen].to(x.dtype)[None, :, None]
+        for layer in self.layers:
+            x = layer(x, cos, sin, None, None)
+        return self.lm_head(self.norm(x))
+
+    def new_cache(self, max_batch_size: int, max_seq_len: int) -> KVCache:
+        if max_seq_len > self.rope_cos.shape[0]:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {self.rope_cos.shape[0]} positions")
+        param = self.embed_tokens.weight
+        return KVCache(
+            self.config.num_layers,
+            max_batch_size,
+            max_seq_len,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            dtype=param.dtype,
+            device=param.device,
+        )

@@ -1,0 +1,75 @@
+"""Turning logits into tokens: greedy, or sampling with temperature, top-k, top-p and a seed.
+
+`target_probs` gives the exact distribution a request samples from; speculative verification
+uses the same function, so speculation and target-only decoding sample from the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 is greedy
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Probabilities over the vocabulary ([..., V]) after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from the logits [V] of one sequence."""
+    if params.greedy:
+        return int(logits.argmax().item())
+    return sample(target_probs(logits, params), generator)

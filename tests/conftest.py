@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = ROOT / "models" / "target"
+DEFAULT_DRAFT = ROOT / "models" / "draft"
+
+
+def tiny_hf_model(family: str, vocab_size: int = 96, seed: int = 0, **overrides):
+    """A random transformers model of `family` small enough for exact tests."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_class, model_class = classes[family]
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    if family == "qwen3":
+        settings["head_dim"] = 24  # Qwen3 sets head_dim independently of hidden/heads
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**settings)).eval()
+    # Non-trivial norm weights and biases, so that a mis-loaded one shows in the logits.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+
+
+def save_tiny(model, path: Path, **save_kwargs) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, **save_kwargs)
+    write_word_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_pair_available() -> bool:
+    return (DEFAULT_TARGET / "model.safetensors").exists() and (DEFAULT_DRAFT / "model.safetensors").exists()

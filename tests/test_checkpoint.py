@@ -1,0 +1,107 @@
+"""Loading checkpoints: sharded files, and clear errors for what cannot be loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.config import CheckpointError
+from engine.device import DeviceError, resolve_device
+from engine.model import ForwardBatch
+from tests.conftest import save_tiny, tiny_hf_model
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    return save_tiny(tiny_hf_model("llama"), tmp_path / "tiny")
+
+
+def logits_of(checkpoint, tokens):
+    cache = checkpoint.model.new_cache(1, 32)
+    slot = cache.allocate()
+    return checkpoint.model(ForwardBatch.build(cache, [slot], [tokens]), cache).logits
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    reference = tiny_hf_model("qwen2")
+    single = load_checkpoint(save_tiny(reference, tmp_path / "single"))
+    sharded_dir = save_tiny(reference, tmp_path / "sharded", max_shard_size="40KB")
+    assert (sharded_dir / "model.safetensors.index.json").exists()
+    sharded = load_checkpoint(sharded_dir)
+    torch.testing.assert_close(logits_of(sharded, [3, 4, 5]), logits_of(single, [3, 4, 5]), atol=0, rtol=0)
+
+
+def test_eos_ids_come_from_generation_config(tiny_dir):
+    (tiny_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    assert load_checkpoint(tiny_dir).eos_token_ids == {1, 7}
+
+
+def test_unsupported_architecture_is_named(tiny_dir):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (tiny_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config\.json: unsupported architecture.*GPT2LMHeadModel"):
+        load_checkpoint(tiny_dir)
+
+
+def test_missing_tensor_is_named(tiny_dir):
+    tensors = load_file(tiny_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tiny_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load_checkpoint(tiny_dir)
+
+
+def test_unexpected_tensor_is_named_with_its_file(tiny_dir):
+    tensors = load_file(tiny_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(tensors, tiny_dir / "model.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: unexpected tensor 'model\.layers\.0\.self_attn\.extra"
+    ):
+        load_checkpoint(tiny_dir)
+
+
+def test_wrong_shape_is_named_with_both_shapes(tiny_dir):
+    tensors = load_file(tiny_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+    save_file(tensors, tiny_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight' has shape \(8, 64\), expected \(32, 64\)"):
+        load_checkpoint(tiny_dir)
+
+
+def test_missing_directory_and_tokenizer(tmp_path, tiny_dir):
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        load_checkpoint(tmp_path / "nowhere")
+    (tiny_dir / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: not found"):
+        load_checkpoint(tiny_dir)
+
+
+def test_save_then_load_round_trips_in_bf16(tmp_path, tiny_dir):
+    checkpoint = load_checkpoint(tiny_dir)
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    save_checkpoint(checkpoint.model, tmp_path / "copy", raw, checkpoint.tokenizer, dtype=torch.bfloat16)
+    copy = load_checkpoint(tmp_path / "copy")
+    assert load_file(tmp_path / "copy" / "model.safetensors")["model.norm.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(logits_of(copy, [3, 4]), logits_of(checkpoint, [3, 4]), atol=0.05, rtol=0.05)
+
+
+def test_npu_without_torch_npu_is_a_clear_error():
+    pytest.importorskip("torch")
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        with pytest.raises(DeviceError, match="torch_npu"):
+            resolve_device("npu")
+    else:
+        pytest.skip("torch_npu is installed")
+
+
+def test_unknown_device_is_rejected():
+    with pytest.raises(DeviceError, match="unknown device 'tpu'"):
+        resolve_device("tpu")

@@ -1,0 +1,92 @@
+"""adaspec's runtime against transformers, the reference implementation, on every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from engine.generate import generate
+from engine.model import ForwardBatch
+from engine.sampling import SamplingParams
+from tests.conftest import save_tiny, tiny_hf_model
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+FAMILIES = {
+    "llama": dict(family="llama"),
+    "llama3-rope-tied": dict(family="llama", rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
+    "llama-bias": dict(family="llama", attention_bias=True, mlp_bias=True),
+    "mistral": dict(family="mistral", sliding_window=24),
+    "qwen2": dict(family="qwen2"),
+    "qwen3": dict(family="qwen3"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, tmp_path_factory):
+    settings = dict(FAMILIES[request.param])
+    family = settings.pop("family")
+    reference = tiny_hf_model(family, **settings)
+    path = save_tiny(reference, tmp_path_factory.mktemp(request.param))
+    return reference, load_checkpoint(path)
+
+
+def test_prefill_and_cached_decode_match_transformers(pair):
+    reference, checkpoint = pair
+    torch.manual_seed(1)
+    ids = torch.randint(2, reference.config.vocab_size, (1, 48))
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+
+    model = checkpoint.model
+    cache = model.new_cache(max_batch_size=2, max_seq_len=64)
+    slot = cache.allocate()
+    prefill = model(ForwardBatch.build(cache, [slot], [ids[0, :32].tolist()], model.config.sliding_window), cache)
+    torch.testing.assert_close(prefill.logits[0], expected[:32], atol=1e-4, rtol=0)
+    for position in range(32, 48):
+        batch = ForwardBatch.build(cache, [slot], [[int(ids[0, position])]], model.config.sliding_window)
+        logits = model(batch, cache).logits[0, 0]
+        torch.testing.assert_close(logits, expected[position], atol=1e-4, rtol=0)
+    assert cache.lengths[slot] == 48
+
+
+def test_greedy_generation_matches_transformers_for_64_tokens(pair):
+    reference, checkpoint = pair
+    prompt = [5, 17, 33, 2, 9]
+    reference.generation_config.eos_token_id = None  # decode all 64 tokens, as ignore_eos does
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
+    expected = out[0, len(prompt) :].tolist()
+    completion = generate(checkpoint, [prompt], SamplingParams(max_tokens=64, ignore_eos=True))[0]
+    assert completion.tokens == expected
+
+
+def test_ragged_batch_equals_each_sequence_alone(pair):
+    _, checkpoint = pair
+    prompts = [[3, 4, 5], [7] * 11, [8, 9, 10, 11, 12, 13, 14], [20, 21]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    together = generate(checkpoint, prompts, params)
+    for prompt, completion in zip(prompts, together):
+        alone = generate(checkpoint, [prompt], params)[0]
+        assert completion.tokens == alone.tokens
+
+
+def test_hidden_states_of_chosen_layers_match_transformers(pair):
+    reference, checkpoint = pair
+    ids = torch.arange(2, 14)[None]
+    with torch.no_grad():
+        expected = reference(ids, output_hidden_states=True).hidden_states
+    model = checkpoint.model
+    cache = model.new_cache(1, 32)
+    slot = cache.allocate()
+    out = model(ForwardBatch.build(cache, [slot], [ids[0].tolist()], model.config.sliding_window), cache, capture=(0,))
+    # transformers' hidden_states[i + 1] is the output of layer i (the last one after the final norm).
+    torch.testing.assert_close(out.hidden[0][0], expected[1][0], atol=1e-4, rtol=0)
+    assert set(out.hidden) == {0}

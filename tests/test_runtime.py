@@ -1,0 +1,125 @@
+"""The KV cache (rollback, slot reuse) and target-only sampling."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from engine.generate import generate
+from engine.kv_cache import CacheFullError
+from engine.model import ForwardBatch
+from engine.sampling import SamplingParams, target_probs
+from tests.conftest import save_tiny, tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return load_checkpoint(save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path_factory.mktemp("tiny")))
+
+
+def run(model, cache, slot, tokens):
+    return model(ForwardBatch.build(cache, [slot], [tokens]), cache).logits[0]
+
+
+def test_rollback_then_continue_equals_never_having_drafted(checkpoint):
+    model = checkpoint.model
+    cache = model.new_cache(2, 64)
+    clean, drafted = cache.allocate(), cache.allocate()
+    run(model, cache, clean, [3, 4, 5, 6])
+    run(model, cache, drafted, [3, 4, 5, 6])
+    run(model, cache, drafted, [40, 41, 42])  # a rejected draft
+    cache.rollback(drafted, 3)
+    assert cache.lengths[drafted] == 4
+    after_clean = run(model, cache, clean, [7, 8])
+    after_rollback = run(model, cache, drafted, [7, 8])
+    torch.testing.assert_close(after_rollback, after_clean, atol=0, rtol=0)
+    n = cache.lengths[clean]
+    torch.testing.assert_close(cache.k[:, drafted, :n], cache.k[:, clean, :n], atol=0, rtol=0)
+
+
+def test_slots_are_freed_and_reused(checkpoint):
+    cache = checkpoint.model.new_cache(2, 16)
+    a, b = cache.allocate(), cache.allocate()
+    with pytest.raises(CacheFullError):
+        cache.allocate()
+    run(checkpoint.model, cache, a, [3, 4, 5])
+    cache.release(a)
+    again = cache.allocate()
+    assert again == a and cache.lengths[again] == 0
+    assert b != a
+
+
+def test_sequence_longer_than_the_cache_is_refused(checkpoint):
+    cache = checkpoint.model.new_cache(1, 8)
+    slot = cache.allocate()
+    with pytest.raises(ValueError, match="exceed max_seq_len 8"):
+        ForwardBatch.build(cache, [slot], [list(range(9))])
+
+
+def test_batch_on_non_contiguous_slots_matches_contiguous(checkpoint):
+    model = checkpoint.model
+    cache = model.new_cache(4, 32)
+    slots = [cache.allocate() for _ in range(4)]
+    prompts = [[3, 4, 5], [9, 10], [11, 12, 13, 14], [5]]
+    out_all = model(ForwardBatch.build(cache, slots, prompts), cache, last_only=True).logits
+    cache2 = model.new_cache(4, 32)
+    slots2 = [cache2.allocate() for _ in range(4)]
+    picked = [slots2[3], slots2[1]]
+    out_some = model(ForwardBatch.build(cache2, picked, [prompts[0], prompts[2]]), cache2, last_only=True).logits
+    torch.testing.assert_close(out_some[0], out_all[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out_some[1], out_all[2], atol=1e-5, rtol=0)
+
+
+def test_same_seed_same_text_and_different_seed_differs(checkpoint):
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True)
+    first = generate(checkpoint, [[3, 4]], params)[0].tokens
+    again = generate(checkpoint, [[3, 4]], params)[0].tokens
+    other = generate(checkpoint, [[3, 4]], SamplingParams(max_tokens=32, temperature=1.0, seed=8, ignore_eos=True))
+    assert first == again
+    assert other[0].tokens != first
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    top2 = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top2[2:] == 0).all() and top2[:2].sum().item() == pytest.approx(1.0)
+    probs = torch.softmax(logits, -1)
+    nucleus = target_probs(logits, SamplingParams(temperature=1.0, top_p=float(probs[0]) + 1e-3))
+    assert (nucleus > 0).tolist() == [True, True, False, False, False]
+
+
+def test_sampled_tokens_follow_the_distribution(checkpoint):
+    """Target-only sampling of the first token matches softmax(logits / T) (chi-square)."""
+    prompt = [3, 4, 5]
+    cache = checkpoint.model.new_cache(1, 8)
+    slot = cache.allocate()
+    with torch.no_grad():
+        probs = target_probs(run(checkpoint.model, cache, slot, prompt)[-1], SamplingParams(temperature=0.8))
+    draws = 1500
+    counts = Counter()
+    for seed in range(draws):
+        params = SamplingParams(max_tokens=1, temperature=0.8, seed=seed, ignore_eos=True)
+        counts[generate(checkpoint, [prompt], params)[0].tokens[0]] += 1
+    expected = probs * draws
+    keep = expected >= 5
+    observed = torch.tensor([counts[i] for i in range(len(probs))], dtype=torch.float)
+    chi2 = (((observed - expected) ** 2 / expected)[keep]).sum().item()
+    chi2 += ((observed[~keep].sum() - expected[~keep].sum()) ** 2 / max(expected[~keep].sum().item(), 1e-9)).item()
+    dof = int(keep.sum())
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_eos_stops_generation(checkpoint):
+    params = SamplingParams(max_tokens=40)
+    full = generate(checkpoint, [[3, 4]], SamplingParams(max_tokens=40, ignore_eos=True))[0].tokens
+    eos = full[5]
+    checkpoint.eos_token_ids = frozenset({eos})
+    try:
+        stopped = generate(checkpoint, [[3, 4]], params)[0]
+    finally:
+        checkpoint.eos_token_ids = frozenset()
+    assert stopped.tokens == full[: full.index(eos) + 1]
+    assert stopped.finish_reason == "stop"
