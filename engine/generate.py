@@ -15,6 +15,7 @@ import torch
 
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.model import ForwardBatch
+from engine.request import finish_reason
 from engine.sampling import SamplingParams, next_token
 
 
@@ -23,19 +24,6 @@ class Completion:
     prompt_tokens: list[int]
     tokens: list[int]
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
-
-
-def finish_reason(
-    tokens: Sequence[int], params: SamplingParams, eos_ids: frozenset[int], text: str | None
-) -> str | None:
-    """Why a sequence whose output so far is `tokens` (decoded: `text`) must end, or None."""
-    if tokens and not params.ignore_eos and tokens[-1] in eos_ids:
-        return "stop"
-    if text is not None and any(stop in text for stop in params.stop):
-        return "stop"
-    if len(tokens) >= params.max_tokens:
-        return "length"
-    return None
 
 
 @torch.inference_mode()

@@ -1,0 +1,364 @@
+"""The engine core: continuous batching and one speculative round per `step()`.
+
+A round, for every running sequence at once: `draft` up to k tokens, `verify` them with one target
+forward of k+1 tokens, `accept` the kept ones (rolling back the target and draft caches), and
+emit them. New requests are prefilled and join, and finished ones leave, only between rounds.
+
+The step count k lives in a `RuntimeState` built for each candidate k before serving; changing
+k means selecting another built state between steps, never building one inside a round.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.checkpoint import Checkpoint
+from engine.drafters import Drafter, Proposal
+from engine.model import ForwardBatch
+from engine.request import Request, Sequence, finish_reason
+from engine.sampling import next_token
+from engine.verify import verify
+
+
+@dataclass
+class StateStats:
+    """What the rounds run with one runtime state have shown."""
+
+    rounds: int = 0
+    tokens: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    # proposed_at[j] / accepted_at[j]: drafts at chain position j proposed / kept.
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    # Smoothed wall time of a whole round (draft + verify), by batch size.
+    round_seconds: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class RuntimeState:
+    """Everything a round with step count `k` needs, made before it is ever selected.
+
+    On CPU that is the warmed-up shapes of its verify forward and the measured cost of a round;
+    accelerator backends add captured graphs here. Buffers shared by all states (the draft
+    model's probability buffer) are sized for the largest k the engine accepts.
+    """
+
+    k: int
+    build_seconds: float
+    memory_bytes: int
+    warmup_seconds: dict[int, float]  # batch size -> one verify forward at build time
+    stats: StateStats = field(default_factory=StateStats)
+
+
+@dataclass
+class SequenceOutput:
+    request_id: str
+    new_tokens: list[int]
+    finish_reason: str | None
+    drafts_proposed: int
+    drafts_accepted: int
+    verified: bool  # took part in the round (False for the first token, from the prefill)
+
+
+@dataclass
+class StepResult:
+    round: int
+    k: int
+    batch_size: int
+    outputs: list[SequenceOutput]
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def accepted(self) -> list[int]:
+        """Accepted drafts of each sequence that took part in the round (the policies' input)."""
+        return [o.drafts_accepted for o in self.outputs if o.verified]
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Checkpoint,
+        drafter: Drafter | None,
+        max_batch_size: int,
+        max_seq_len: int,
+        candidate_steps: Iterable[int],
+        max_steps: int = 8,
+        initial_steps: int | None = None,
+    ) -> None:
+        self.target = target
+        self.model = target.model
+        self.drafter = drafter
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.max_steps = max_steps
+        self.cache = self.model.new_cache(max_batch_size, max_seq_len)
+        self.round = 0
+        self.running: list[Sequence] = []
+        self.waiting: deque[Request] = deque()
+        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._cancelled: set[str] = set()
+        self._cancel_lock = threading.Lock()
+        self._states_lock = threading.Lock()
+        self.states: dict[int, RuntimeState] = {}
+        for k in sorted(set(candidate_steps)):
+            self.build_state(k)
+        if not self.states:
+            raise ValueError("at least one candidate step count is needed")
+        first = initial_steps if initial_steps is not None else max(self.states)
+        self.state = self.states[first]
+
+    # ---- runtime states -------------------------------------------------------------------
+
+    def build_state(self, k: int) -> RuntimeState:
+        """Build the state for `k` (safe from any thread; the running round is not touched)."""
+        if not 0 <= k <= self.max_steps:
+            raise ValueError(f"step count {k} is outside 0..{self.max_steps}")
+        if k > 0 and self.drafter is None:
+            raise ValueError(f"step count {k} needs a drafter; this engine has none")
+        with self._states_lock:
+            if k in self.states:
+                return self.states[k]
+        started = time.perf_counter()
+        warmup = self._warm_up_verify(k)
+        state = RuntimeState(k=k, build_seconds=time.perf_counter() - started, memory_bytes=0, warmup_seconds=warmup)
+        with self._states_lock:
+            return self.states.setdefault(k, state)
+
+    @torch.inference_mode()
+    def _warm_up_verify(self, k: int) -> dict[int, float]:
+        """Run this state's verify shape once at batch 1 and at the largest batch, on a scratch cache."""
+        scratch = self.model.new_cache(self.max_batch_size, k + 2)
+        timings = {}
+        for batch_size in sorted({1, self.max_batch_size}):
+            slots = list(range(batch_size))
+            for slot in slots:
+                scratch.lengths[slot] = 0
+            tokens = [[0] * (k + 1)] * batch_size
+            started = time.perf_counter()
+            self.model(ForwardBatch.build(scratch, slots, tokens, self.model.config.sliding_window), scratch)
+            timings[batch_size] = time.perf_counter() - started
+        return timings
+
+    def select(self, k: int) -> RuntimeState:
+        """Make the state for `k` active from the next round on. Call between steps only."""
+        with self._states_lock:
+            state = self.states.get(k)
+        if state is None:
+            raise KeyError(f"no runtime state for step count {k}; built: {sorted(self.states)}")
+        self.state = state
+        return state
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (thread-safe); it joins the batch at the next boundary."""
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        total = len(request.prompt) + request.params.max_tokens
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) "
+                f"exceeds max_seq_len {self.max_seq_len}"
+            )
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt):
+            raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        self._inbox.put(request)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask for a request to be dropped at the next boundary (thread-safe)."""
+        with self._cancel_lock:
+            self._cancelled.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or not self._inbox.empty())
+
+    # ---- the round -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        """One boundary and one round: admit, draft, verify, accept, emit, retire."""
+        state = self.state
+        outputs: dict[str, SequenceOutput] = {}
+        self._apply_cancellations(outputs)
+        started = time.perf_counter()
+        self._admit(outputs)
+        prefill_seconds = time.perf_counter() - started
+
+        seqs = [s for s in self.running if s.finish_reason is None]
+        result = StepResult(self.round, state.k, len(seqs), [], prefill_seconds=prefill_seconds)
+        if seqs:
+            self._round(state, seqs, outputs, result)
+            self.round += 1
+        self._retire()
+        result.outputs = list(outputs.values())
+        return result
+
+    def _round(self, state: RuntimeState, seqs: list[Sequence], outputs: dict, result: StepResult) -> None:
+        started = time.perf_counter()
+        proposals = self.draft(state, seqs)
+        drafted = time.perf_counter()
+        emitted, hidden = self.verify(seqs, proposals)
+        verified = time.perf_counter()
+        self.accept(seqs, proposals, emitted, hidden, outputs)
+
+        result.draft_seconds = drafted - started
+        result.verify_seconds = verified - drafted
+        stats = state.stats
+        stats.rounds += 1
+        stats.draft_seconds += result.draft_seconds
+        stats.verify_seconds += result.verify_seconds
+        seconds = verified - started
+        previous = stats.round_seconds.get(len(seqs))
+        stats.round_seconds[len(seqs)] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        for proposal, tokens in zip(proposals, emitted):
+            kept = len(tokens) - 1
+            stats.tokens += len(tokens)
+            stats.drafts_proposed += len(proposal.tokens)
+            stats.drafts_accepted += kept
+            while len(stats.proposed_at) < len(proposal.tokens):
+                stats.proposed_at.append(0)
+                stats.accepted_at.append(0)
+            for j in range(len(proposal.tokens)):
+                stats.proposed_at[j] += 1
+                stats.accepted_at[j] += j < kept
+
+    def draft(self, state: RuntimeState, seqs: Seq[Sequence]) -> list[Proposal]:
+        if state.k == 0 or self.drafter is None:
+            return [Proposal([]) for _ in seqs]
+        # Never draft past max_tokens: the target's own token always comes after the drafts.
+        ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
+        return self.drafter.propose(seqs, ks)
+
+    def verify(self, seqs: Seq[Sequence], proposals: Seq[Proposal]) -> tuple[list[list[int]], dict]:
+        capture = self.drafter.capture_layers if self.drafter is not None else ()
+        batch = ForwardBatch.build(
+            self.cache,
+            [s.slot for s in seqs],
+            [[s.tokens[-1], *p.tokens] for s, p in zip(seqs, proposals)],
+            self.model.config.sliding_window,
+        )
+        out = self.model(batch, self.cache, capture=capture)
+        return verify(out.logits, seqs, proposals), out.hidden
+
+    def accept(
+        self,
+        seqs: Seq[Sequence],
+        proposals: Seq[Proposal],
+        emitted: Seq[list[int]],
+        hidden: dict,
+        outputs: dict[str, SequenceOutput],
+    ) -> None:
+        accepted = []
+        for seq, proposal, tokens in zip(seqs, proposals, emitted):
+            kept = len(tokens) - 1
+            seq.rounds += 1
+            seq.drafts_proposed += len(proposal.tokens)
+            seq.drafts_accepted += kept
+            new = self._append(seq, tokens)
+            # The target cache keeps every emitted token but the newest (fed next round).
+            self.cache.truncate(seq.slot, min(self.cache.lengths[seq.slot], len(seq.tokens) - 1))
+            # A sequence admitted at this boundary already emitted its first token from the prefill.
+            admitted = outputs.get(seq.request.id)
+            if admitted is not None:
+                new = admitted.new_tokens + new
+            outputs[seq.request.id] = SequenceOutput(
+                seq.request.id, new, seq.finish_reason, len(proposal.tokens), kept, verified=True
+            )
+            accepted.append(kept)
+        if self.drafter is not None:
+            live = [(s, a) for s, a in zip(seqs, accepted) if s.finish_reason is None]
+            self.drafter.accept([s for s, _ in live], [a for _, a in live], hidden)
+
+    def _append(self, seq: Sequence, tokens: Seq[int]) -> list[int]:
+        """Emit tokens one by one, stopping exactly where target-only decoding would."""
+        new = []
+        eos = self.target.eos_token_ids
+        for token in tokens:
+            seq.output.append(token)
+            seq.tokens.append(token)
+            new.append(token)
+            text = self.target.tokenizer.decode(seq.output) if seq.params.stop else None
+            seq.finish_reason = finish_reason(seq.output, seq.params, eos, text)
+            if seq.finish_reason is not None:
+                break
+        return new
+
+    # ---- boundaries ----------------------------------------------------------------------
+
+    def _admit(self, outputs: dict[str, SequenceOutput]) -> None:
+        while not self._inbox.empty():
+            self.waiting.append(self._inbox.get_nowait())
+        admitted: list[Sequence] = []
+        while self.waiting and self.cache.free_slots:
+            request = self.waiting.popleft()
+            seq = Sequence(
+                request=request,
+                slot=self.cache.allocate(),
+                generator=request.params.generator(self.model.embed_tokens.weight.device),
+                tokens=list(request.prompt),
+            )
+            admitted.append(seq)
+        if not admitted:
+            return
+        batch = ForwardBatch.build(
+            self.cache, [s.slot for s in admitted], [s.tokens for s in admitted], self.model.config.sliding_window
+        )
+        logits = self.model(batch, self.cache, last_only=True).logits[:, -1]
+        for row, seq in enumerate(admitted):
+            new = self._append(seq, [next_token(logits[row], seq.params, seq.generator)])
+            outputs[seq.request.id] = SequenceOutput(seq.request.id, new, seq.finish_reason, 0, 0, verified=False)
+        self.running.extend(admitted)
+        if self.drafter is not None:
+            self.drafter.admit([s for s in admitted if s.finish_reason is None])
+
+    def _apply_cancellations(self, outputs: dict[str, SequenceOutput]) -> None:
+        with self._cancel_lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        if not cancelled:
+            return
+        while not self._inbox.empty():
+            self.waiting.append(self._inbox.get_nowait())
+        for request in [r for r in self.waiting if r.id in cancelled]:
+            self.waiting.remove(request)
+            outputs[request.id] = SequenceOutput(request.id, [], "cancelled", 0, 0, verified=False)
+        for seq in self.running:
+            if seq.request.id in cancelled and seq.finish_reason is None:
+                seq.finish_reason = "cancelled"
+                outputs[seq.request.id] = SequenceOutput(seq.request.id, [], "cancelled", 0, 0, verified=False)
+
+    def _retire(self) -> None:
+        still = []
+        for seq in self.running:
+            if seq.finish_reason is None:
+                still.append(seq)
+                continue
+            self.cache.release(seq.slot)
+            if self.drafter is not None:
+                self.drafter.release(seq)
+        self.running = still
+
+    def run_until_done(self, requests: Iterable[Request]) -> dict[str, list[int]]:
+        """Serve `requests` to completion (tests and benchmarks); returns each one's output tokens."""
+        outputs: dict[str, list[int]] = {}
+        for request in requests:
+            self.add_request(request)
+            outputs[request.id] = []
+        while self.has_work:
+            for out in self.step().outputs:
+                outputs[out.request_id].extend(out.new_tokens)
+        return outputs

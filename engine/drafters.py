@@ -1,0 +1,148 @@
+"""Drafters: they propose up to k tokens per sequence, and forget the ones the target rejects.
+
+Every drafter follows the same protocol, so the engine never asks which one it holds:
+
+- `admit(seqs)`: new sequences joined (their prompts are in `seq.tokens`);
+- `propose(seqs, ks)`: up to `ks[i]` draft tokens for sequence i, with the drafter's probabilities
+  for each (None means the proposal is deterministic: a one-hot distribution);
+- `accept(seqs, accepted, hidden)`: after verification, `accepted[i]` drafts of sequence i were
+  kept and `seq.tokens` already holds them plus the target's token; roll back the rest;
+- `release(seq)`: the sequence left.
+
+`capture_layers` names the target layers whose hidden states the drafter reads from the last
+verify (EAGLE- and DFlash-style drafters); the draft-model and n-gram drafters need none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from engine.checkpoint import Checkpoint
+from engine.kv_cache import KVCache
+from engine.model import ForwardBatch
+from engine.request import Sequence
+from engine.sampling import sample, target_probs
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: Tensor | None = None  # [len(tokens), V] the drafter's distribution, or None if one-hot
+
+
+class Drafter(Protocol):
+    name: str
+    capture_layers: tuple[int, ...]
+
+    def admit(self, seqs: Seq[Sequence]) -> None: ...
+
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]: ...
+
+    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
+class DraftModelDrafter:
+    """A smaller model with the target's tokenizer and its own KV cache.
+
+    Its cache holds a prefix of `seq.tokens`; whatever it lacks (the target's last token, and the
+    last draft when every draft was accepted) is fed at the start of the next proposal.
+    """
+
+    name = "draft_model"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, draft: Checkpoint, max_batch_size: int, max_seq_len: int) -> None:
+        self.checkpoint = draft
+        self.model = draft.model
+        self.cache: KVCache = draft.model.new_cache(max_batch_size, max_seq_len)
+
+    def admit(self, seqs: Seq[Sequence]) -> None:
+        for seq in seqs:
+            seq.draft_slot = self.cache.allocate()
+        # The prompt is prefilled now; the first generated token joins at the first proposal.
+        self._forward(seqs, [seq.tokens[:-1] for seq in seqs])
+
+    def _forward(self, seqs: Seq[Sequence], inputs: Seq[Seq[int]]) -> Tensor | None:
+        rows = [(seq, tokens) for seq, tokens in zip(seqs, inputs) if tokens]
+        if not rows:
+            return None
+        slots = [seq.draft_slot for seq, _ in rows]
+        batch = ForwardBatch.build(self.cache, slots, [t for _, t in rows], self.model.config.sliding_window)
+        return self.model(batch, self.cache, last_only=True).logits[:, -1]
+
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
+        probs: list[list[Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        inputs = {i: seqs[i].tokens[self.cache.lengths[seqs[i].draft_slot] :] for i in active}
+        while active:
+            logits = self._forward([seqs[i] for i in active], [inputs[i] for i in active])
+            greedy_rows = logits.argmax(dim=-1).tolist()
+            for row, i in enumerate(active):
+                seq = seqs[i]
+                if seq.params.greedy:
+                    token = greedy_rows[row]
+                else:
+                    q = target_probs(logits[row], seq.params)
+                    token = sample(q, seq.generator)
+                    probs[i].append(q)
+                proposals[i].tokens.append(token)
+                inputs[i] = [token]
+            active = [i for i in active if len(proposals[i].tokens) < ks[i]]
+        for i, q in enumerate(probs):
+            if q:
+                proposals[i].probs = torch.stack(q)
+        return proposals
+
+    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
+        for seq in seqs:
+            # Everything in the draft cache up to the target's newest token is now confirmed.
+            keep = min(self.cache.lengths[seq.draft_slot], len(seq.tokens) - 1)
+            self.cache.truncate(seq.draft_slot, keep)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.draft_slot is not None:
+            self.cache.release(seq.draft_slot)
+            seq.draft_slot = None
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n
+    first, from max_n down to min_n) and propose what followed it. No weights, no cache."""
+
+    name = "ngram"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def admit(self, seqs: Seq[Sequence]) -> None:
+        pass
+
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(seq.tokens, k) if k > 0 else []) for seq, k in zip(seqs, ks)]
+
+    def lookup(self, tokens: Seq[int], k: int) -> list[int]:
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = list(tokens[length - n :])
+            # Scan backwards for the most recent match that has at least one token after it.
+            for start in range(length - n - 1, -1, -1):
+                if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
+                    return list(tokens[start + n : start + n + k])
+        return []
+
+    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass

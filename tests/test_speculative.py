@@ -1,0 +1,287 @@
+"""Speculative decoding is lossless: greedy output equals target-only output token for token,
+sampled output follows the target's distribution, and rolled-back caches are clean."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint import load_checkpoint
+from engine.core import Engine
+from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.generate import generate
+from engine.model import ForwardBatch
+from engine.request import Request
+from engine.sampling import SamplingParams, target_probs
+from tests.conftest import save_tiny, tiny_hf_model
+
+STEPS = (0, 1, 2, 3, 5, 7)
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 9, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 8, 9], [20, 21]]
+MAX_SEQ_LEN = 96
+
+
+def perturbed_copy(source, destination, scale: float, seed: int = 1):
+    """A draft that agrees with the target often, but not always."""
+    destination.mkdir()
+    for item in source.iterdir():
+        (destination / item.name).write_bytes(item.read_bytes())
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(source / "model.safetensors")
+    noisy = {name: t + scale * torch.randn(t.shape, generator=generator) * t.std() for name, t in tensors.items()}
+    save_file(noisy, destination / "model.safetensors")
+    return destination
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
+    draft_dir = perturbed_copy(target_dir, root / "draft", scale=0.2)
+    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
+
+
+def make_drafter(kind: str, draft, max_batch_size: int):
+    if kind == "draft_model":
+        return DraftModelDrafter(draft, max_batch_size, MAX_SEQ_LEN)
+    return NgramDrafter(min_n=1, max_n=3)
+
+
+def reference(target, prompts, params):
+    return [c.tokens for c in generate(target, prompts, params)]
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_output_equals_target_only_for_every_k(pair, kind, batch_size):
+    target, draft = pair
+    prompts = PROMPTS[:batch_size]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = reference(target, prompts, params)
+    accepted = 0
+    for k in STEPS:
+        engine = Engine(target, make_drafter(kind, draft, batch_size), batch_size, MAX_SEQ_LEN, STEPS, initial_steps=k)
+        requests = [Request(tuple(p), params) for p in prompts]
+        outputs = engine.run_until_done(requests)
+        assert [outputs[r.id] for r in requests] == expected, f"k={k}"
+        accepted += engine.state.stats.drafts_accepted
+        if k:
+            assert engine.state.stats.drafts_proposed > 0
+    assert accepted > 0  # speculation really happened, it did not just fall back to decoding
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, kind):
+    target, draft = pair
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    expected = reference(target, PROMPTS, params)
+    engine = Engine(target, make_drafter(kind, draft, 4), 4, MAX_SEQ_LEN, STEPS)
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    for request in requests:
+        engine.add_request(request)
+    outputs = {r.id: [] for r in requests}
+    chooser = random.Random(5)
+    seen = set()
+    while engine.has_work:
+        seen.add(engine.select(chooser.choice(STEPS)).k)
+        for out in engine.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == expected
+    assert seen == set(STEPS)
+
+
+def test_requests_arriving_mid_stream_are_lossless_and_reuse_slots(pair):
+    target, draft = pair
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [[3 + i, 4, 5 + i] for i in range(6)]
+    expected = reference(target, prompts, params)
+    engine = Engine(target, DraftModelDrafter(draft, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [3])
+    requests = [Request(tuple(p), params) for p in prompts]
+    outputs = {r.id: [] for r in requests}
+    pending = list(requests)
+    while pending or engine.has_work:
+        if pending:
+            engine.add_request(pending.pop(0))  # one new arrival per boundary
+        result = engine.step()
+        assert result.batch_size <= 2
+        for out in result.outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == expected
+    assert engine.cache.free_slots == 2 and engine.drafter.cache.free_slots == 2
+
+
+def test_eos_and_max_tokens_inside_an_accepted_run_stop_exactly(pair):
+    target, _ = pair
+    # The draft is the target itself: every draft is accepted, so stops fall inside long runs.
+    free_run = reference(target, [PROMPTS[2]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    eos = free_run[9]
+    target.eos_token_ids = frozenset({eos})
+    try:
+        for max_tokens in (5, 40):
+            params = SamplingParams(max_tokens=max_tokens)
+            expected = reference(target, [PROMPTS[2], PROMPTS[0]], params)
+            engine = Engine(target, DraftModelDrafter(target, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [7])
+            requests = [Request(tuple(PROMPTS[2]), params), Request(tuple(PROMPTS[0]), params)]
+            outputs = engine.run_until_done(requests)  # batch size 1: the second reuses the slot
+            assert [outputs[r.id] for r in requests] == expected
+            assert engine.state.stats.drafts_accepted == engine.state.stats.drafts_proposed
+    finally:
+        target.eos_token_ids = frozenset()
+    assert expected[0][-1] == eos and len(expected[0]) == free_run.index(eos) + 1
+
+
+def test_stop_string_inside_an_accepted_run(pair):
+    target, _ = pair
+    free_run = reference(target, [PROMPTS[0]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    stop = target.tokenizer.decode(free_run[6:8])
+    params = SamplingParams(max_tokens=30, stop=(stop,), ignore_eos=True)
+    expected = reference(target, [PROMPTS[0]], params)[0]
+    engine = Engine(target, DraftModelDrafter(target, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [5])
+    request = Request(tuple(PROMPTS[0]), params)
+    assert engine.run_until_done([request])[request.id] == expected
+    assert len(expected) < 30
+
+
+def test_caches_after_rollback_equal_a_fresh_prefill(pair):
+    target, draft = pair
+    drafter = DraftModelDrafter(draft, 4, MAX_SEQ_LEN)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, [5])
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    for prompt in PROMPTS:
+        engine.add_request(Request(tuple(prompt), params))
+    for _ in range(6):
+        engine.step()
+    stats = engine.state.stats
+    assert 0 < stats.drafts_accepted < stats.drafts_proposed  # there were rollbacks
+    for seq in engine.running:
+        copies = ((target.model, engine.cache, seq.slot), (draft.model, drafter.cache, seq.draft_slot))
+        for model, cache, slot in copies:
+            length = cache.lengths[slot]
+            assert length <= len(seq.tokens) - 1
+            fresh = model.new_cache(1, MAX_SEQ_LEN)
+            fresh_slot = fresh.allocate()
+            model(ForwardBatch.build(fresh, [fresh_slot], [seq.tokens[:length]]), fresh)
+            torch.testing.assert_close(cache.k[:, slot, :length], fresh.k[:, fresh_slot, :length], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.v[:, slot, :length], fresh.v[:, fresh_slot, :length], atol=1e-5, rtol=0)
+        assert engine.cache.lengths[seq.slot] == len(seq.tokens) - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_vocab")
+    target_dir = save_tiny(tiny_hf_model("qwen2", vocab_size=8, initializer_range=0.3), root / "target")
+    draft_dir = perturbed_copy(target_dir, root / "draft", scale=1.0)
+    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
+
+
+def exact_marginals(target, prompt, params, positions: int) -> list[torch.Tensor]:
+    """P(output token i = v) for i < positions, by enumerating every prefix."""
+    model = target.model
+
+    def next_probs(tokens):
+        cache = model.new_cache(1, len(tokens))
+        slot = cache.allocate()
+        logits = model(ForwardBatch.build(cache, [slot], [tokens]), cache, last_only=True).logits[0, -1]
+        return target_probs(logits, params)
+
+    marginals = []
+    prefixes = {(): 1.0}
+    for _ in range(positions):
+        step = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+        grown = {}
+        for prefix, mass in prefixes.items():
+            probs = next_probs(list(prompt) + list(prefix)).double()
+            step += mass * probs
+            for token in range(len(probs)):
+                if probs[token] > 1e-6:
+                    grown[(*prefix, token)] = mass * float(probs[token])
+        marginals.append(step)
+        prefixes = grown
+    return marginals
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pair, kind):
+    """Chi-square of the 2nd and 3rd sampled tokens (both come out of verification) against the
+    target's exact marginals."""
+    target, draft = tiny_vocab_pair
+    prompt = tuple(range(8)) * 2  # every token has occurred: the n-gram drafter always proposes
+    base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    with torch.inference_mode():
+        marginals = exact_marginals(target, prompt, base, 3)
+    draws = 1500
+    engine = Engine(target, make_drafter(kind, draft, 16), 16, 32, [2])
+    requests = [
+        Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
+        for s in range(draws)
+    ]
+    outputs = engine.run_until_done(requests)
+    stats = engine.state.stats
+    assert 0 < stats.drafts_accepted < stats.drafts_proposed
+    for position in (1, 2):
+        counts = Counter(outputs[r.id][position] for r in requests)
+        expected = marginals[position] * draws
+        observed = torch.tensor([counts[v] for v in range(len(expected))], dtype=torch.float64)
+        keep = expected >= 5
+        chi2 = float((((observed - expected) ** 2) / expected)[keep].sum())
+        dof = int(keep.sum()) - 1
+        # p < 0.001 for dof <= 7 is chi2 > 24.3: a real bias fails by far more than that.
+        assert chi2 < 24.3, (position, chi2, dof, observed.tolist(), expected.tolist())
+
+
+def test_state_for_a_new_k_is_built_off_the_hot_path_and_selected_at_a_boundary(pair):
+    target, draft = pair
+    engine = Engine(target, DraftModelDrafter(draft, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [1, 3])
+    assert sorted(engine.states) == [1, 3]
+    assert all(s.build_seconds > 0 for s in engine.states.values())
+    with pytest.raises(KeyError, match="no runtime state for step count 4"):
+        engine.select(4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    request = Request(tuple(PROMPTS[0]), params)
+    engine.add_request(request)
+    engine.step()
+    builder = threading.Thread(target=engine.build_state, args=(4,))
+    builder.start()
+    builder.join()
+    assert engine.select(4).k == 4
+    out = engine.step()
+    assert out.k == 4 and out.outputs[0].drafts_proposed == 4
+    with pytest.raises(ValueError, match="outside 0..8"):
+        engine.build_state(9)
+
+
+def test_cancel_frees_the_slot_at_the_next_boundary(pair):
+    target, draft = pair
+    engine = Engine(target, DraftModelDrafter(draft, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [3])
+    long = Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=80, ignore_eos=True))
+    short = Request(tuple(PROMPTS[1]), SamplingParams(max_tokens=10, ignore_eos=True))
+    engine.add_request(long)
+    engine.add_request(short)
+    engine.step()
+    engine.cancel(long.id)
+    outputs = {long.id: [], short.id: []}
+    reasons = {}
+    while engine.has_work:
+        for out in engine.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+            if out.finish_reason:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons == {long.id: "cancelled", short.id: "length"}
+    assert outputs[short.id] == reference(target, [PROMPTS[1]], short.params)[0]
+
+
+def test_bad_requests_are_refused_with_a_reason(pair):
+    target, _ = pair
+    engine = Engine(target, None, 1, 32, [0])
+    with pytest.raises(ValueError, match="exceeds max_seq_len 32"):
+        engine.add_request(Request((1, 2, 3), SamplingParams(max_tokens=30)))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request(Request((), SamplingParams(max_tokens=4)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request(Request((1, 999), SamplingParams(max_tokens=4)))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        engine.build_state(3)
