@@ -1,0 +1,40 @@
+"""Code prompts from the held-out part of the training corpus: the standard library's tests."""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from pathlib import Path
+
+
+def held_out_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] in ("site-packages", "dist-packages") or "__pycache__" in parts:
+            continue
+        if "test" in parts[:-1] or "tests" in parts[:-1]:
+            files.append(path)
+    return files
+
+
+def code_prompts(count: int, seed: int = 0, max_chars: int = 1200) -> list[str]:
+    """`count` prompts, each a held-out file's text up to and including a random `def` line."""
+    rng = random.Random(seed)
+    files = held_out_files()
+    prompts: list[str] = []
+    while len(prompts) < count:
+        path = rng.choice(files)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        except (UnicodeDecodeError, OSError):
+            continue
+        defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ") and i > 5]
+        if not defs:
+            continue
+        end = rng.choice(defs) + 1
+        text = "".join(lines[:end])[-max_chars:]
+        # Start at a line boundary so the prompt does not open mid-token.
+        prompts.append(text[text.index("\n") + 1 :] if "\n" in text[:-1] else text)
+    return prompts

@@ -1,0 +1,300 @@
+"""Run a workload against the engine in-process, once per mode, and compare them.
+
+    python -m bench.spec --workload bench/workloads/transition.jsonl \\
+        --modes none,static:1,static:3,static:7,adaptive:ema,adaptive:goodput \\
+        [--concurrency N] [--config FILE] [--json OUT] [--plot OUT.png]
+
+A workload is JSON Lines, one request per line: "prompt", "max_tokens", and optionally
+"temperature", "top_p", "top_k", "seed", "stop", "phase" (a free label the report breaks results
+down by) and "arrival_s" (open loop: not submitted before that offset). Without arrival times the
+run is closed-loop: --concurrency requests in flight, the next one submitted as one finishes.
+
+Modes: `none` (target only), `static:K` (a fixed k), `adaptive:ema`, `adaptive:goodput` (the
+config's [adaptive] parameters with that strategy). Every mode serves the same requests on the
+same loaded models, one after another in this process, so the ratios are measured side by side.
+A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
+per-phase seconds add up to the total; the per-phase oracle takes, for each phase, the fastest
+static mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.controller import Controller
+from engine.core import Engine
+from engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from engine.policy import PolicyParams
+from engine.request import Request
+from engine.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt: str
+    params: SamplingParams
+    phase: str
+    arrival_s: float | None
+
+
+def read_workload(path: Path) -> list[WorkItem]:
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            params = SamplingParams(
+                max_tokens=int(raw.get("max_tokens", 128)),
+                temperature=float(raw.get("temperature", 0.0)),
+                top_k=int(raw.get("top_k", 0)),
+                top_p=float(raw.get("top_p", 1.0)),
+                seed=raw.get("seed"),
+                stop=tuple([raw["stop"]] if isinstance(raw.get("stop"), str) else raw.get("stop") or ()),
+            )
+            items.append(WorkItem(str(raw["prompt"]), params, str(raw.get("phase", "all")), raw.get("arrival_s")))
+        except (KeyError, ValueError, TypeError) as err:
+            raise SystemExit(f"{path}:{number}: bad request ({err})") from None
+    if not items:
+        raise SystemExit(f"{path}: no requests")
+    return items
+
+
+@dataclass
+class ModeReport:
+    tokens: int = 0
+    seconds: float = 0.0
+    verified: int = 0  # request-rounds
+    accepted: int = 0
+    switches: int = 0
+    k_rounds: Counter = field(default_factory=Counter)
+    phase_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    phase_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, k, tokens)
+
+    def as_json(self) -> dict:
+        return {
+            "tokens_per_s": self.tokens / self.seconds,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "mean_accepted_drafts": self.accepted / max(self.verified, 1),
+            "switches": self.switches,
+            "k_histogram": {str(k): n for k, n in sorted(self.k_rounds.items())},
+            "phases": {
+                phase: {
+                    "tokens_per_s": self.phase_tokens[phase] / max(self.phase_seconds[phase], 1e-9),
+                    "tokens": self.phase_tokens[phase],
+                    "seconds": self.phase_seconds[phase],
+                }
+                for phase in self.phase_tokens
+            },
+        }
+
+
+def build_controller(
+    mode: str, target: Checkpoint, drafter_factory, concurrency: int, max_seq_len: int, params: PolicyParams
+) -> Controller:
+    if mode == "none":
+        engine = Engine(target, None, concurrency, max_seq_len, [0])
+        return Controller(engine, replace(params, candidate_steps=(0,), slots=()), adaptive=False, static_steps=0)
+    if mode.startswith("static:"):
+        k = int(mode.split(":", 1)[1])
+        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, [k])
+        return Controller(engine, replace(params, candidate_steps=(k,), slots=()), adaptive=False, static_steps=k)
+    if mode.startswith("adaptive:"):
+        strategy = mode.split(":", 1)[1]
+        policy = replace(params, strategy=strategy)
+        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, policy.all_steps)
+        return Controller(engine, policy)
+    raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:ema or adaptive:goodput")
+
+
+def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> ModeReport:
+    report = ModeReport()
+    engine = controller.engine
+    requests = [Request(tuple(tokenizer.encode(i.prompt).ids), i.params) for i in items]
+    phase_of = {r.id: i.phase for r, i in zip(requests, items)}
+    open_loop = any(i.arrival_s is not None for i in items)
+    queue = list(zip(requests, items))
+    in_flight = 0
+    started = time.perf_counter()
+    while queue or engine.has_work:
+        now = time.perf_counter() - started
+        while queue and (
+            (open_loop and (queue[0][1].arrival_s or 0.0) <= now) or (not open_loop and in_flight < concurrency)
+        ):
+            engine.add_request(queue.pop(0)[0])
+            in_flight += 1
+        if not engine.has_work:
+            time.sleep(min(0.001, max(0.0, (queue[0][1].arrival_s or 0.0) - now)))
+            continue
+        round_started = time.perf_counter()
+        result = controller.step()
+        round_seconds = time.perf_counter() - round_started
+        emitted: dict[str, int] = defaultdict(int)
+        for out in result.outputs:
+            emitted[phase_of[out.request_id]] += len(out.new_tokens)
+            if out.verified:
+                report.verified += 1
+                report.accepted += out.drafts_accepted
+            if out.finish_reason is not None:
+                in_flight -= 1
+        total = sum(emitted.values())
+        for phase, n in emitted.items():
+            report.phase_tokens[phase] += n
+            report.phase_seconds[phase] += round_seconds * n / total
+        report.tokens += total
+        if result.batch_size:
+            report.k_rounds[result.k] += 1
+        report.timeline.append((time.perf_counter() - started, result.k, total))
+    report.seconds = time.perf_counter() - started
+    report.switches = controller.switches
+    return report
+
+
+def print_table(reports: dict[str, ModeReport]) -> None:
+    baseline = reports.get("none")
+    phases = sorted({p for r in reports.values() for p in r.phase_tokens})
+    header = f"{'mode':<18} {'tok/s':>8} {'x none':>7} {'acc/round':>9} {'switches':>8}  " + " ".join(
+        f"{p + ' tok/s':>14}" for p in phases
+    )
+    print(header)
+    for mode, r in reports.items():
+        ratio = f"{(r.tokens / r.seconds) / (baseline.tokens / baseline.seconds):.2f}x" if baseline else "-"
+        per_phase = " ".join(f"{r.phase_tokens[p] / max(r.phase_seconds[p], 1e-9):>14.1f}" for p in phases)
+        print(
+            f"{mode:<18} {r.tokens / r.seconds:>8.1f} {ratio:>7} {r.accepted / max(r.verified, 1):>9.2f} "
+            f"{r.switches:>8}  {per_phase}"
+        )
+    for mode, r in reports.items():
+        histogram = " ".join(f"k={k}:{n}" for k, n in sorted(r.k_rounds.items()))
+        print(f"  {mode:<16} rounds by k: {histogram}")
+    statics = {m: r for m, r in reports.items() if m.startswith("static:")}
+    if statics:
+        best_mode = max(statics, key=lambda m: statics[m].tokens / statics[m].seconds)
+        best = statics[best_mode].tokens / statics[best_mode].seconds
+        oracle_seconds = sum(min(r.phase_seconds[p] for r in statics.values()) for p in phases)
+        tokens = next(iter(statics.values())).tokens
+        oracle = tokens / oracle_seconds
+        picks = ", ".join(f"{p}: {min(statics, key=lambda m: statics[m].phase_seconds[p])}" for p in phases)
+        print(f"best static: {best_mode} {best:.1f} tok/s; per-phase oracle: {oracle:.1f} tok/s ({picks})")
+        for mode, r in reports.items():
+            if mode.startswith("adaptive:"):
+                rate = r.tokens / r.seconds
+                print(f"  {mode}: {rate / best:.3f}x best static, {rate / oracle:.3f}x per-phase oracle")
+
+
+def plot(reports: dict[str, ModeReport], out: Path, window: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_k, ax_rate) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for mode, r in reports.items():
+        times = [t for t, _, _ in r.timeline]
+        ax_k.step(times, [k for _, k, _ in r.timeline], where="post", label=mode, linewidth=1)
+        rates, start, acc = [], 0, 0
+        for t, _, n in r.timeline:
+            acc += n
+            while r.timeline[start][0] < t - window:
+                acc -= r.timeline[start][2]
+                start += 1
+            rates.append(acc / window if t >= window else acc / max(t, 1e-9))
+        ax_rate.plot(times, rates, label=mode, linewidth=1)
+    ax_k.set_ylabel("step count k")
+    ax_rate.set_ylabel(f"tokens/s ({window:.0f} s window)")
+    ax_rate.set_xlabel("seconds")
+    ax_k.legend(fontsize="small", ncol=3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--modes", default="none,static:1,static:3,static:7,adaptive:ema,adaptive:goodput")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--config", type=Path, default=None, help="TOML config: its [engine] and [adaptive]")
+    parser.add_argument("--target", default=None, help="target checkpoint (default: config, or models/target)")
+    parser.add_argument("--draft", default=None, help="draft checkpoint (default: config, or models/draft)")
+    parser.add_argument("--drafter", choices=["draft_model", "ngram"], default=None)
+    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    settings = bench_settings(args)
+    items = read_workload(args.workload)
+    target = load_checkpoint(settings["target"])
+    drafter_kind = settings["drafter"]
+    draft = load_checkpoint(settings["draft"]) if drafter_kind == "draft_model" else None
+
+    def drafter_factory() -> Drafter:
+        if draft is not None:
+            return DraftModelDrafter(draft, args.concurrency, args.max_seq_len)
+        return NgramDrafter(settings["ngram_min"], settings["ngram_max"])
+
+    print(
+        f"workload {args.workload} ({len(items)} requests), concurrency {args.concurrency}, "
+        f"drafter {drafter_kind}, candidates {list(settings['policy'].candidate_steps)}",
+        file=sys.stderr,
+    )
+    # Warm up kernels once so that the first mode is not charged for it.
+    warm = build_controller("static:1", target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"])
+    run_mode(warm, items[:1], target.tokenizer, 1)
+
+    reports: dict[str, ModeReport] = {}
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        controller = build_controller(
+            mode, target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"]
+        )
+        reports[mode] = run_mode(controller, items, target.tokenizer, args.concurrency)
+        r = reports[mode]
+        print(f"  {mode}: {r.tokens / r.seconds:.1f} tok/s", file=sys.stderr)
+    print_table(reports)
+    if args.json:
+        args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
+    if args.plot:
+        plot(reports, args.plot, window=max(1.0, max(r.seconds for r in reports.values()) / 40))
+
+
+def bench_settings(args: argparse.Namespace) -> dict:
+    """Models and policy parameters: command line over --config over built-in defaults."""
+    settings = {
+        "target": str(ROOT / "models" / "target"),
+        "draft": str(ROOT / "models" / "draft"),
+        "drafter": "draft_model",
+        "ngram_min": 1,
+        "ngram_max": 4,
+        "policy": PolicyParams(),
+    }
+    if args.config is not None:
+        from control.config import load_config
+
+        config = load_config(args.config)
+        settings.update(
+            target=str(config.engine.target),
+            draft=str(config.engine.draft),
+            drafter=config.engine.drafter,
+            ngram_min=config.engine.ngram_min,
+            ngram_max=config.engine.ngram_max,
+            policy=config.adaptive.policy,
+        )
+    for key in ("target", "draft", "drafter"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    return settings
+
+
+if __name__ == "__main__":
+    main()

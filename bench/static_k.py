@@ -1,0 +1,63 @@
+"""Static step counts against no speculation, for both drafters, at batch 1 and 4.
+
+    python -m bench.static_k [--prompts 8] [--max-tokens 128]
+
+Code prompts from the held-out standard-library tests, temperature 0. Every configuration
+serves the same requests on the same loaded models in this one process; ratios are to no
+speculation at the same batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.prompts import code_prompts
+from bench.spec import WorkItem, build_controller, run_mode
+from engine.checkpoint import load_checkpoint
+from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.policy import PolicyParams
+from engine.sampling import SamplingParams
+
+STEPS = (1, 3, 5, 7)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="models/target")
+    parser.add_argument("--draft", default="models/draft")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+
+    target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    items = [WorkItem(p, params, "code", None) for p in code_prompts(args.prompts, args.seed)]
+    max_seq_len = 2048
+    print(f"{len(items)} held-out code prompts, greedy, {args.max_tokens} tokens each")
+    print(f"{'batch':>5} {'drafter':<12} {'mode':<9} {'tok/s':>8} {'x none':>7} {'acc/round':>9}")
+    for batch in (1, 4):
+        factories = {
+            "draft_model": lambda b=batch: DraftModelDrafter(draft, b, max_seq_len),
+            "ngram": lambda: NgramDrafter(1, 4),
+        }
+        warm = build_controller("static:3", target, factories["draft_model"], batch, max_seq_len, PolicyParams())
+        run_mode(warm, items[:batch], target.tokenizer, batch)
+        none = run_mode(
+            build_controller("none", target, None, batch, max_seq_len, PolicyParams()), items, target.tokenizer, batch
+        )
+        base = none.tokens / none.seconds
+        print(f"{batch:>5} {'-':<12} {'none':<9} {base:>8.1f} {'1.00x':>7} {'-':>9}")
+        for name, factory in factories.items():
+            for k in STEPS:
+                controller = build_controller(f"static:{k}", target, factory, batch, max_seq_len, PolicyParams())
+                r = run_mode(controller, items, target.tokenizer, batch)
+                rate = r.tokens / r.seconds
+                print(
+                    f"{batch:>5} {name:<12} {'k=' + str(k):<9} {rate:>8.1f} {rate / base:>6.2f}x "
+                    f"{r.accepted / max(r.verified, 1):>9.2f}"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The controller: owns the policy and decides which runtime state each round runs with.
+
+Modes:
+- adaptive: the policy picks k after every verified round;
+- pinned(k): k is held; the policy keeps observing, its decisions are not applied;
+- forced(k): k is used from the next boundary, then the policy adapts again from there;
+- static: adaptation is disabled in the config; k is fixed.
+
+Control messages (new parameters, pin, unpin, force) may come from any thread. They are queued
+and applied only between steps, and each is acknowledged with the round at which it took effect.
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import structlog
+
+from engine.core import Engine, StepResult
+from engine.policy import Observation, Policy, PolicyParams, make_policy
+
+log = structlog.get_logger("adaspec.engine")
+
+
+@dataclass(frozen=True)
+class Ack:
+    round: int  # the first round run under the change
+    steps: int
+    mode: str
+
+
+@dataclass(frozen=True)
+class SetParams:
+    params: PolicyParams
+    adaptive: bool = True
+    static_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class Pin:
+    steps: int
+
+
+@dataclass(frozen=True)
+class Unpin:
+    pass
+
+
+@dataclass(frozen=True)
+class Force:
+    steps: int
+
+
+Message = SetParams | Pin | Unpin | Force
+
+
+class Controller:
+    def __init__(
+        self,
+        engine: Engine,
+        params: PolicyParams,
+        adaptive: bool = True,
+        static_steps: int | None = None,
+        initial_steps: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.params = params
+        self.policy: Policy = make_policy(params, initial_steps)
+        self.mode = "adaptive" if adaptive else "static"
+        self.static_steps = static_steps if static_steps is not None else self.policy.steps
+        self.pinned: int | None = None
+        self.forced: int | None = None  # k for the next round only
+        self.switches = 0
+        self._inbox: queue.SimpleQueue[tuple[Message, Future[Ack]]] = queue.SimpleQueue()
+        self._steps = self._wanted_steps()
+        self._reason = "start"
+        self._require_state(self._steps)
+        self.engine.select(self._steps)
+
+    # ---- what the next round uses --------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def _wanted_steps(self) -> int:
+        if self.mode == "static":
+            return self.static_steps
+        if self.pinned is not None:
+            return self.pinned
+        if self.forced is not None:
+            return self.forced
+        return self.policy.steps
+
+    def _require_state(self, k: int) -> None:
+        if k not in self.engine.states:
+            raise ValueError(f"no runtime state for step count {k}; built: {sorted(self.engine.states)}")
+
+    # ---- control messages (any thread) ---------------------------------------------------
+
+    def submit(self, message: Message) -> Future[Ack]:
+        done: Future[Ack] = Future()
+        self._inbox.put((message, done))
+        return done
+
+    def pin(self, steps: int) -> Future[Ack]:
+        return self.submit(Pin(steps))
+
+    def unpin(self) -> Future[Ack]:
+        return self.submit(Unpin())
+
+    def force(self, steps: int) -> Future[Ack]:
+        return self.submit(Force(steps))
+
+    def set_params(self, params: PolicyParams, adaptive: bool = True, static_steps: int | None = None) -> Future[Ack]:
+        return self.submit(SetParams(params, adaptive, static_steps))
+
+    def _apply_messages(self) -> None:
+        while not self._inbox.empty():
+            message, done = self._inbox.get_nowait()
+            try:
+                reason = self._apply(message)
+            except (ValueError, KeyError) as err:
+                done.set_exception(err)
+                continue
+            self._set_steps(self._wanted_steps(), reason)
+            done.set_result(Ack(self.engine.round, self._steps, self.mode_name))
+
+    def _apply(self, message: Message) -> str:
+        if isinstance(message, Pin):
+            self._require_state(message.steps)
+            self.pinned = message.steps
+            return "pin"
+        if isinstance(message, Unpin):
+            if self.pinned is not None:
+                self.policy.set_steps(self.pinned)
+            self.pinned = None
+            return "unpin"
+        if isinstance(message, Force):
+            self._require_state(message.steps)
+            if self.mode == "static":
+                raise ValueError("adaptation is disabled: force needs [adaptive] enabled = true (use pin)")
+            self.pinned = None
+            self.forced = message.steps
+            # The policy adapts from the forced k (snapped onto its candidates) afterwards.
+            self.policy.set_steps(message.steps)
+            return "force"
+        for k in message.params.all_steps:
+            self._require_state(k)
+        if message.static_steps is not None:
+            self._require_state(message.static_steps)
+        self.policy.update_params(message.params)
+        self.params = message.params
+        self.mode = "adaptive" if message.adaptive else "static"
+        if message.static_steps is not None:
+            self.static_steps = message.static_steps
+        return "params"
+
+    @property
+    def mode_name(self) -> str:
+        if self.pinned is not None:
+            return "pinned"
+        if self.forced is not None:
+            return "forced"
+        return self.mode
+
+    # ---- the loop body ------------------------------------------------------------------
+
+    def _set_steps(self, k: int, reason: str) -> None:
+        if k == self._steps:
+            return
+        ema = round(self.policy.ema, 4)
+        log.info("switch", **{"from": self._steps, "to": k}, ema=ema, reason=reason, round=self.engine.round)
+        self._steps = k
+        self.switches += 1
+
+    def step(self) -> StepResult:
+        """Apply queued control messages, then run one round with the chosen state."""
+        self._apply_messages()
+        self.engine.select(self._steps)
+        result = self.engine.step()
+        verified = [o for o in result.outputs if o.verified]
+        if verified:
+            decision = self.policy.observe(
+                Observation(
+                    k=result.k,
+                    accepted=tuple(o.drafts_accepted for o in verified),
+                    proposed=tuple(o.drafts_proposed for o in verified),
+                    draft_seconds=result.draft_seconds,
+                    verify_seconds=result.verify_seconds,
+                )
+            )
+        else:
+            decision = None
+        if self.forced is not None and result.batch_size:
+            self.forced = None  # the forced round has run: adapt again from here
+            self._set_steps(self._wanted_steps(), decision.reason if decision else "policy")
+        elif decision is not None and self.mode == "adaptive" and self.pinned is None:
+            self._set_steps(decision.steps, decision.reason)
+        return result

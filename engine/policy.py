@@ -1,0 +1,432 @@
+"""Adaptive step policies: which k the next round should use.
+
+A policy sees every verified round (the accepted drafts of each request, the batch size, what the
+round cost) and may decide to move to another k. It never touches the engine: the controller
+applies its decisions between rounds.
+
+- `EmaPolicy` follows SGLang's adaptive speculative decoding: an EMA of accepted drafts per
+  request, and a threshold ladder over the sorted candidates with hysteresis.
+- `GoodputPolicy` is cost-aware: it estimates how far a chain of drafts survives, position by
+  position, and picks the k with the most expected tokens per second of measured round time.
+- `SlottedPolicy` keeps a separate candidate list and policy state per batch-size range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class BatchSlot:
+    """Candidates used while the batch holds at least `min_batch_size` sequences."""
+
+    min_batch_size: int
+    candidate_steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    strategy: str = "ema"  # "ema" or "goodput"
+    candidate_steps: tuple[int, ...] = (1, 3, 7)
+    ema_alpha: float = 0.2
+    warmup_batches: int = 10
+    update_interval: int = 5
+    up_hysteresis: float = 0.0
+    down_hysteresis: float = -0.25
+    slots: tuple[BatchSlot, ...] = ()
+    # At k = 0 nothing is drafted, so nothing is learnt: every probe_interval rounds, try the
+    # smallest k > 0 for a while.
+    probe_interval: int = 40
+    # goodput: move only when the best k is expected to beat the current one by this fraction.
+    switch_margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.strategy not in ("ema", "goodput"):
+            out.append(f"strategy must be 'ema' or 'goodput', got {self.strategy!r}")
+        for name, steps in [("candidate_steps", self.candidate_steps)] + [
+            (f"slots[{i}].candidate_steps", s.candidate_steps) for i, s in enumerate(self.slots)
+        ]:
+            if not steps:
+                out.append(f"{name} must not be empty")
+            elif any(k < 0 for k in steps):
+                out.append(f"{name} must hold step counts >= 0, got {list(steps)}")
+            elif len(set(steps)) != len(steps):
+                out.append(f"{name} has duplicates: {list(steps)}")
+        if not 0 < self.ema_alpha <= 1:
+            out.append(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.warmup_batches < 0:
+            out.append(f"warmup_batches must be >= 0, got {self.warmup_batches}")
+        if self.update_interval < 1:
+            out.append(f"update_interval must be >= 1, got {self.update_interval}")
+        if self.probe_interval < 1:
+            out.append(f"probe_interval must be >= 1, got {self.probe_interval}")
+        if self.switch_margin < 0:
+            out.append(f"switch_margin must be >= 0, got {self.switch_margin}")
+        sizes = [s.min_batch_size for s in self.slots]
+        if any(s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
+            out.append(f"slots need distinct min_batch_size >= 1, got {sizes}")
+        return out
+
+    @property
+    def all_steps(self) -> tuple[int, ...]:
+        """Every k any slot may choose: each needs a runtime state."""
+        steps = set(self.candidate_steps)
+        for slot in self.slots:
+            steps.update(slot.candidate_steps)
+        return tuple(sorted(steps))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One verified round, as a policy sees it."""
+
+    k: int
+    accepted: tuple[int, ...]  # accepted drafts of each request in the round
+    proposed: tuple[int, ...]  # drafts proposed to each request (k, or fewer near max_tokens)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.accepted)
+
+
+@dataclass(frozen=True)
+class Decision:
+    steps: int
+    reason: str  # "up", "down", "probe", "goodput", "slot"
+    ema: float
+
+
+class Policy(Protocol):
+    params: PolicyParams
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def ema(self) -> float: ...
+
+    def observe(self, observation: Observation) -> Decision | None: ...
+
+    def set_steps(self, k: int) -> None: ...
+
+    def update_params(self, params: PolicyParams) -> None: ...
+
+
+def snap(k: int, candidates: Seq[int]) -> int:
+    """The candidate nearest to k; ties go to the larger."""
+    return min(sorted(candidates), key=lambda c: (abs(c - k), -c))
+
+
+class EmaPolicy:
+    """SGLang-compatible EMA ladder.
+
+    ema <- (1 - alpha) * ema + alpha * mean accepted drafts of the batch; after `warmup_batches`
+    non-empty batches, every `update_interval` batches: go down while
+    ema <= c[i-1] - 0.5 + down_hysteresis (several tiers at once if warranted), otherwise go up
+    while ema > c[i] - 0.5 + up_hysteresis. The way down to k = 0 is taken when
+    ema <= 0.5 + down_hysteresis (under half a draft accepted per round); at k = 0 the EMA is
+    frozen and the next tier is probed every `probe_interval` batches.
+
+    Parameter swaps: a new alpha, warm-up, interval or hysteresis keeps the EMA and counters; a
+    new candidate list snaps the current k onto it and keeps the EMA.
+    """
+
+    def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
+        self.params = params
+        self.candidates = sorted(candidates if candidates is not None else params.candidate_steps)
+        first = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
+        self.index = self.candidates.index(first)
+        self._ema = float(max(first - 1, 0))
+        self.batches = 0
+        self.rounds_at_zero = 0
+
+    @property
+    def steps(self) -> int:
+        return self.candidates[self.index]
+
+    @property
+    def ema(self) -> float:
+        return self._ema
+
+    def observe(self, observation: Observation) -> Decision | None:
+        if not observation.accepted:
+            return None  # an empty batch says nothing (and does not count towards warm-up)
+        if self.steps == 0:
+            return self._probe_from_zero()
+        mean = sum(observation.accepted) / len(observation.accepted)
+        self._ema = (1 - self.params.ema_alpha) * self._ema + self.params.ema_alpha * mean
+        self.batches += 1
+        after_warmup = self.batches - self.params.warmup_batches
+        if after_warmup <= 0 or after_warmup % self.params.update_interval:
+            return None
+        return self._ladder()
+
+    def _ladder(self) -> Decision | None:
+        c, i, p = self.candidates, self.index, self.params
+        start = i
+        while i > 0 and self._ema <= _drop_threshold(c[i - 1]) + p.down_hysteresis:
+            i -= 1
+        if i == start:
+            while i < len(c) - 1 and self._ema > c[i] - 0.5 + p.up_hysteresis:
+                i += 1
+        if i == start:
+            return None
+        self.index = i
+        self.rounds_at_zero = 0
+        return Decision(self.steps, "down" if i < start else "up", self._ema)
+
+    def _probe_from_zero(self) -> Decision | None:
+        self.rounds_at_zero += 1
+        if self.rounds_at_zero < self.params.probe_interval or len(self.candidates) == 1:
+            return None
+        self.index = 1
+        self.rounds_at_zero = 0
+        # Give the probe a fair hearing: start it as if it had just accepted half its drafts.
+        self._ema = max(self._ema, self.steps / 2)
+        self.batches = self.params.warmup_batches
+        return Decision(self.steps, "probe", self._ema)
+
+    def set_steps(self, k: int) -> None:
+        self.index = self.candidates.index(snap(k, self.candidates))
+        self.rounds_at_zero = 0
+
+    def update_params(self, params: PolicyParams) -> None:
+        current = self.steps
+        self.params = params
+        self.candidates = sorted(params.candidate_steps)
+        self.set_steps(current)
+
+
+def _drop_threshold(lower: int) -> float:
+    # SGLang's boundary below tier c is c - 0.5; for k = 0 that would never be reached (the
+    # EMA is never negative), so dropping to 0 happens under half an accepted draft.
+    return lower - 0.5 if lower > 0 else 0.5
+
+
+@dataclass
+class CostModel:
+    """Measured seconds per round, by step count and batch size, smoothed."""
+
+    smoothing: float = 0.2
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, batch) -> seconds
+    draft_per_step: dict[int, float] = field(default_factory=dict)  # batch -> seconds per draft step
+
+    def record(self, observation: Observation) -> None:
+        key = (observation.k, observation.batch_size)
+        self.verify[key] = self._mix(self.verify.get(key), observation.verify_seconds)
+        steps = max(observation.proposed, default=0)
+        if steps > 0:
+            b = observation.batch_size
+            self.draft_per_step[b] = self._mix(self.draft_per_step.get(b), observation.draft_seconds / steps)
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def round_seconds(self, k: int, batch_size: int) -> float | None:
+        verify = self.verify.get((k, batch_size))
+        if verify is None:
+            # Verify cost grows slowly with width: borrow the nearest measured k at this batch size.
+            measured = [(abs(kk - k), s) for (kk, b), s in self.verify.items() if b == batch_size]
+            if not measured:
+                return None
+            verify = min(measured)[1]
+        if k == 0:
+            return verify
+        per_step = self.draft_per_step.get(batch_size)
+        if per_step is None:
+            return None
+        return verify + k * per_step
+
+
+class GoodputPolicy:
+    """Cost-aware: choose the k that maximises expected tokens per second.
+
+    Acceptance is estimated per chain position: a[j] = P(draft j kept | drafts before it kept),
+    each an EMA over rounds, so a draft that is good for two tokens and then wanders is seen as
+    such. Expected tokens of a round with k drafts: E(k) = 1 + sum_i prod_{j<i} a[j] (positions
+    never measured reuse the deepest measured rate). Round cost comes from the rounds actually run
+    at this batch size; a k whose cost is still unknown is tried once when its estimate is the
+    best. k = 0 is chosen when no k > 0 beats plain decoding; from there the smallest k > 0 is
+    probed every `probe_interval` rounds.
+    """
+
+    def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
+        self.params = params
+        self.candidates = sorted(candidates if candidates is not None else params.candidate_steps)
+        self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
+        self.position_rates: list[float] = []
+        self.costs = CostModel()
+        self.batches = 0
+        self.rounds_at_zero = 0
+        self.last_goodput: dict[int, float] = {}
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def ema(self) -> float:
+        """Expected accepted drafts per round at the current k (comparable with EmaPolicy.ema)."""
+        return self.expected_tokens(self._steps) - 1
+
+    def expected_tokens(self, k: int) -> float:
+        total, survive = 1.0, 1.0
+        for j in range(k):
+            survive *= self._rate(j)
+            total += survive
+        return total
+
+    def _rate(self, position: int) -> float:
+        if not self.position_rates:
+            return 0.5
+        return self.position_rates[min(position, len(self.position_rates) - 1)]
+
+    def _learn(self, observation: Observation) -> None:
+        alpha = self.params.ema_alpha
+        for j in range(max(observation.proposed, default=0)):
+            reached = [a for a, p in zip(observation.accepted, observation.proposed) if a >= j and p > j]
+            if not reached:
+                break
+            rate = sum(1 for a in reached if a > j) / len(reached)
+            if j < len(self.position_rates):
+                self.position_rates[j] = (1 - alpha) * self.position_rates[j] + alpha * rate
+            else:
+                # A new depth starts from what the previous depth shows, not from nothing.
+                prior = self.position_rates[-1] if self.position_rates else rate
+                self.position_rates.append((1 - alpha) * prior + alpha * rate)
+
+    def observe(self, observation: Observation) -> Decision | None:
+        if not observation.accepted:
+            return None
+        self.costs.record(observation)
+        if self._steps == 0:
+            self.rounds_at_zero += 1
+            if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:
+                self.rounds_at_zero = 0
+                self.batches = 0
+                self._steps = self.candidates[1]
+                return Decision(self._steps, "probe", self.ema)
+            return None
+        self._learn(observation)
+        self.batches += 1
+        after_warmup = self.batches - self.params.warmup_batches
+        if after_warmup < 0 or after_warmup % self.params.update_interval:
+            return None
+        return self._choose(observation.batch_size)
+
+    def goodput(self, k: int, batch_size: int) -> float | None:
+        seconds = self.costs.round_seconds(k, batch_size)
+        if seconds is None or seconds <= 0:
+            return None
+        return self.expected_tokens(k) * batch_size / seconds
+
+    def _choose(self, batch_size: int) -> Decision | None:
+        estimates = {k: self.goodput(k, batch_size) for k in self.candidates}
+        self.last_goodput = {k: v for k, v in estimates.items() if v is not None}
+        current = estimates.get(self._steps)
+        if current is None:
+            return None
+        known = {k: v for k, v in estimates.items() if v is not None}
+        best = max(known, key=lambda k: known[k])
+        unknown = [k for k, v in estimates.items() if v is None and k != 0]
+        if unknown:
+            # Price an unmeasured k from the current one's draft and verify costs to decide
+            # whether it is worth one trial.
+            per_step = self.costs.draft_per_step.get(batch_size, 0.0)
+            verify = self.costs.round_seconds(self._steps, batch_size) - self._steps * per_step
+            guesses = {k: self.expected_tokens(k) * batch_size / (verify + k * per_step) for k in unknown}
+            guess = max(guesses, key=lambda k: guesses[k])
+            if guesses[guess] > known[best] * (1 + self.params.switch_margin):
+                best = guess
+                known[best] = guesses[guess]
+        if best == self._steps or known[best] <= current * (1 + self.params.switch_margin):
+            return None
+        self._steps = best
+        self.rounds_at_zero = 0
+        return Decision(best, "goodput", self.ema)
+
+    def set_steps(self, k: int) -> None:
+        self._steps = snap(k, self.candidates)
+        self.rounds_at_zero = 0
+
+    def update_params(self, params: PolicyParams) -> None:
+        current = self._steps
+        self.params = params
+        self.candidates = sorted(params.candidate_steps)
+        self.set_steps(current)
+
+
+_STRATEGIES = {"ema": EmaPolicy, "goodput": GoodputPolicy}
+
+
+class SlottedPolicy:
+    """One inner policy per batch-size slot; the slot is the largest min_batch_size <= batch."""
+
+    def __init__(self, params: PolicyParams, initial_steps: int | None = None):
+        self.params = params
+        self.slots = self._build(params, initial_steps)
+        self.active = min(self.slots)
+
+    @staticmethod
+    def _build(params: PolicyParams, initial_steps: int | None) -> dict[int, Policy]:
+        slots = {s.min_batch_size: s.candidate_steps for s in params.slots}
+        slots.setdefault(1, params.candidate_steps)
+        make = _STRATEGIES[params.strategy]
+        return {size: make(params, initial_steps, steps) for size, steps in slots.items()}
+
+    def slot_for(self, batch_size: int) -> int:
+        return max((s for s in self.slots if s <= max(batch_size, 1)), default=min(self.slots))
+
+    @property
+    def steps(self) -> int:
+        return self.slots[self.active].steps
+
+    @property
+    def ema(self) -> float:
+        return self.slots[self.active].ema
+
+    def observe(self, observation: Observation) -> Decision | None:
+        if not observation.accepted:
+            return None
+        slot = self.slot_for(observation.batch_size)
+        moved = slot != self.active
+        self.active = slot
+        decision = self.slots[slot].observe(observation)
+        if decision is None and moved:
+            return Decision(self.steps, "slot", self.ema)
+        return decision
+
+    def set_steps(self, k: int) -> None:
+        self.slots[self.active].set_steps(k)
+
+    def update_params(self, params: PolicyParams) -> None:
+        if params.strategy != self.params.strategy or {s.min_batch_size for s in params.slots} != {
+            s.min_batch_size for s in self.params.slots
+        }:
+            # Another strategy or other slot boundaries: start afresh from the current k.
+            current = self.steps
+            self.params = params
+            self.slots = self._build(params, current)
+            self.active = min(self.slots)
+            return
+        self.params = params
+        lists = {s.min_batch_size: s.candidate_steps for s in params.slots}
+        lists.setdefault(1, params.candidate_steps)
+        for size, policy in self.slots.items():
+            policy.update_params(replace(params, candidate_steps=lists[size]))
+
+
+def make_policy(params: PolicyParams, initial_steps: int | None = None) -> Policy:
+    if params.slots:
+        return SlottedPolicy(params, initial_steps)
+    return _STRATEGIES[params.strategy](params, initial_steps)

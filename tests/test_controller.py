@@ -1,0 +1,139 @@
+"""The controller: pin, force, unpin and new parameters take effect between rounds only, and
+output stays lossless through every switch."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+from structlog.testing import capture_logs
+
+from engine.checkpoint import load_checkpoint
+from engine.controller import Controller
+from engine.core import Engine
+from engine.drafters import DraftModelDrafter
+from engine.generate import generate
+from engine.policy import PolicyParams
+from engine.request import Request
+from engine.sampling import SamplingParams
+from tests.conftest import save_tiny, tiny_hf_model
+from tests.test_speculative import PROMPTS, perturbed_copy
+
+FAST = PolicyParams(candidate_steps=(1, 3, 7), warmup_batches=2, update_interval=1, ema_alpha=0.5)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
+    return load_checkpoint(target_dir), load_checkpoint(perturbed_copy(target_dir, root / "draft", scale=0.2))
+
+
+def make(pair, params=FAST, steps=(0, 1, 2, 3, 5, 7), **kwargs) -> Controller:
+    target, draft = pair
+    engine = Engine(target, DraftModelDrafter(draft, 4, 128), 4, 128, steps)
+    return Controller(engine, params, **kwargs)
+
+
+def serve(controller: Controller, requests, on_step=None) -> dict[str, list[int]]:
+    outputs = {r.id: [] for r in requests}
+    for r in requests:
+        controller.engine.add_request(r)
+    while controller.engine.has_work:
+        if on_step:
+            on_step(controller)
+        for out in controller.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    return outputs
+
+
+def test_adaptive_switches_happen_between_rounds_and_output_stays_lossless(pair):
+    target, _ = pair
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    controller = make(pair)
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    ks = []
+    with capture_logs() as logs:
+        outputs = serve(controller, requests, on_step=lambda c: ks.append(c.steps))
+    assert [outputs[r.id] for r in requests] == expected
+    switches = [e for e in logs if e["event"] == "switch"]
+    assert controller.switches == len(switches) > 0
+    for event in switches:
+        assert {"from", "to", "ema", "reason", "round"} <= set(event)
+        # The round a switch is logged at runs with the new k; the one before with the old k.
+        assert ks[event["round"]] == event["to"] and ks[event["round"] - 1] == event["from"]
+
+
+def test_pin_holds_k_while_the_policy_keeps_observing_and_unpin_resumes(pair):
+    controller = make(pair)
+    engine = controller.engine
+    for p in PROMPTS:
+        engine.add_request(Request(tuple(p), SamplingParams(max_tokens=80, ignore_eos=True)))
+    controller.step()
+    ack = controller.pin(2)
+    assert not ack.done()  # nothing happens until the next boundary
+    result = controller.step()
+    assert ack.result(timeout=0).round == result.round and ack.result().steps == 2
+    assert ack.result().mode == "pinned"
+    batches = controller.policy.batches if hasattr(controller.policy, "batches") else None
+    for _ in range(8):
+        assert controller.step().k == 2
+    assert controller.policy.batches > batches  # still observing
+    unpin = controller.unpin()
+    controller.step()
+    assert unpin.result(timeout=0).mode == "adaptive"
+
+
+def test_force_switches_at_the_next_boundary_then_adapts_again(pair):
+    controller = make(pair)
+    for p in PROMPTS:
+        controller.engine.add_request(Request(tuple(p), SamplingParams(max_tokens=80, ignore_eos=True)))
+    controller.step()
+    ack = controller.force(5)
+    result = controller.step()
+    assert result.k == 5
+    assert ack.result(timeout=0).mode == "forced" and ack.result().round == result.round
+    assert controller.mode_name == "adaptive"
+
+
+def test_pin_to_a_k_without_runtime_state_is_refused_and_nothing_changes(pair):
+    controller = make(pair, steps=(1, 3, 7))
+    before = controller.steps
+    ack = controller.pin(4)
+    controller.step()
+    with pytest.raises(ValueError, match="no runtime state for step count 4"):
+        ack.result(timeout=0)
+    assert controller.steps == before and controller.mode_name == "adaptive"
+
+
+def test_new_params_apply_at_a_boundary_and_need_built_states(pair):
+    controller = make(pair, steps=(1, 3, 7))
+    controller.engine.add_request(Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True)))
+    controller.step()
+    missing = controller.set_params(replace(FAST, candidate_steps=(2, 4)))
+    controller.step()
+    with pytest.raises(ValueError, match="no runtime state for step count 2"):
+        missing.result(timeout=0)
+    # Build the missing states off the hot path, then the same parameters are accepted.
+    builders = [threading.Thread(target=controller.engine.build_state, args=(k,)) for k in (2, 4)]
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join()
+    ok = controller.set_params(replace(FAST, candidate_steps=(2, 4)))
+    result = controller.step()
+    assert ok.result(timeout=0).steps in (2, 4) and result.k in (2, 4)
+
+
+def test_static_mode_holds_its_k(pair):
+    controller = make(pair, adaptive=False, static_steps=3)
+    for p in PROMPTS:
+        controller.engine.add_request(Request(tuple(p), SamplingParams(max_tokens=30, ignore_eos=True)))
+    ks = {controller.step().k for _ in range(10)}
+    assert ks == {3} and controller.mode_name == "static"
+    with pytest.raises(ValueError, match="adaptation is disabled"):
+        ack = controller.force(1)
+        controller.step()
+        ack.result(timeout=0)
