@@ -117,7 +117,8 @@ class Controller:
     def set_params(self, params: PolicyParams, adaptive: bool = True, static_steps: int | None = None) -> Future[Ack]:
         return self.submit(SetParams(params, adaptive, static_steps))
 
-    def _apply_messages(self) -> None:
+    def apply_pending(self) -> None:
+        """Apply queued control messages now (the loop calls this between steps and while idle)."""
         while not self._inbox.empty():
             message, done = self._inbox.get_nowait()
             try:
@@ -178,7 +179,7 @@ class Controller:
 
     def step(self) -> StepResult:
         """Apply queued control messages, then run one round with the chosen state."""
-        self._apply_messages()
+        self.apply_pending()
         self.engine.select(self._steps)
         result = self.engine.step()
         verified = [o for o in result.outputs if o.verified]
