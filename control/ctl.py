@@ -1,0 +1,260 @@
+"""adaspecctl: send one command to a running adaspec daemon over its admin socket.
+
+    adaspecctl [--socket PATH] [--json] [--timeout S] COMMAND [ARGS]
+
+Exit status: 0 ok, 1 the daemon answered with an error, 2 usage error, 3 no answer (socket
+missing or refusing, timeout, connection dropped). `ExecReload=adaspecctl reload` therefore makes
+`systemctl reload` fail visibly when the daemon rejects a new configuration.
+
+A plain blocking socket and no third-party imports: this runs once per command and should start
+fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_ERROR_REPLY = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+DEFAULT_TIMEOUT_S = 30.0
+_MAX_REPLY_BYTES = 64 * 1024 * 1024
+
+# command -> (help, whether it takes a step count K)
+COMMANDS: dict[str, tuple[str, bool]] = {
+    "status": ("show the daemon's state, acceptance rates and current draft length", False),
+    "config": ("show the effective configuration and where each value came from", False),
+    "help": ("list the commands the daemon understands", False),
+    "reload": ("re-read the configuration file now", False),
+    "pin": ("pin the draft length to K until unpin", True),
+    "force": ("force the draft length to K", True),
+    "unpin": ("return to the adaptive draft length", False),
+}
+
+
+class Unreachable(Exception):
+    """No usable reply: the message says which socket and why."""
+
+
+class _NoReply(Exception):
+    pass
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
+    """$ADASPEC_SOCKET, else the systemd RuntimeDirectory, else the user's runtime dir, else /tmp."""
+    env = os.environ if environ is None else environ
+    if env.get("ADASPEC_SOCKET"):
+        return Path(env["ADASPEC_SOCKET"])
+    if env.get("RUNTIME_DIRECTORY"):
+        # systemd joins several RuntimeDirectory= entries with ":"; the first is ours.
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "admin.sock"
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "adaspec" / "admin.sock"
+    return Path(f"/tmp/adaspec-{os.getuid()}") / "admin.sock"
+
+
+def request(
+    path: Path, cmd: str, args: dict[str, Any] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S
+) -> dict[str, Any]:
+    """Send one request and return the reply object; `Unreachable` when there is none."""
+    deadline = time.monotonic() + timeout
+    line = json.dumps({"id": 1, "cmd": cmd, "args": args or {}}).encode() + b"\n"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.settimeout(timeout)
+            sock.connect(os.fspath(path))
+            sock.sendall(line)
+            reply = _read_line(sock, deadline)
+        except FileNotFoundError:
+            raise Unreachable(f"cannot connect to {path}: no such socket (is adaspec running?)") from None
+        except ConnectionRefusedError:
+            raise Unreachable(f"cannot connect to {path}: connection refused (stale socket?)") from None
+        except PermissionError:
+            raise Unreachable(f"cannot connect to {path}: permission denied (not in the admin group?)") from None
+        except TimeoutError:
+            raise Unreachable(f"no reply from {path} within {timeout:g} s") from None
+        except _NoReply as exc:
+            raise Unreachable(f"no reply from {path}: {exc}") from None
+        except OSError as exc:
+            raise Unreachable(f"cannot talk to {path}: {exc.strerror or exc}") from None
+    finally:
+        sock.close()
+    try:
+        obj = json.loads(reply)
+    except ValueError:
+        raise Unreachable(f"malformed reply from {path}: {reply[:200]!r}") from None
+    if not isinstance(obj, dict) or "ok" not in obj:
+        raise Unreachable(f"malformed reply from {path}: {reply[:200]!r}")
+    return obj
+
+
+def _read_line(sock: socket.socket, deadline: float) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        sock.settimeout(remaining)
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise _NoReply("the connection was closed")
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            chunks.append(chunk[:newline])
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > _MAX_REPLY_BYTES:
+            raise _NoReply(f"the reply exceeds {_MAX_REPLY_BYTES} bytes")
+
+
+def format_value(value: Any, indent: int = 0) -> list[str]:
+    """Readable `key: value` lines for a reply's result, YAML-like and compact."""
+    pad = "  " * indent
+    if isinstance(value, dict):
+        if not value:
+            return [pad + "{}"]
+        lines: list[str] = []
+        for key, item in value.items():
+            if _is_block(item):
+                lines.append(f"{pad}{key}:")
+                lines.extend(format_value(item, indent + 1))
+            else:
+                lines.append(f"{pad}{key}: {_scalar(item)}")
+        return lines
+    if isinstance(value, list):
+        if not _is_block(value):
+            return [pad + _scalar(value)]
+        lines = []
+        for item in value:
+            if _is_block(item):
+                nested = format_value(item, indent + 1)
+                # "- " takes the place of the nested block's indentation on its first line.
+                lines.append(f"{pad}- {nested[0].lstrip()}")
+                lines.extend(nested[1:])
+            else:
+                lines.append(f"{pad}- {_scalar(item)}")
+        return lines
+    if isinstance(value, str) and "\n" in value:
+        return [pad + line for line in value.splitlines()]
+    return [pad + _scalar(value)]
+
+
+def _is_block(value: Any) -> bool:
+    """Whether `value` needs lines of its own: a non-empty dict, a list holding containers, or a
+    multi-line string."""
+    if isinstance(value, str):
+        return "\n" in value
+    if isinstance(value, dict):
+        return bool(value)
+    if isinstance(value, list):
+        return any(isinstance(item, dict | list) and item for item in value)
+    return False
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "[" + ", ".join(_scalar(item) for item in value) + "]"
+    return json.dumps(value)  # null, true/false, numbers, {} and []
+
+
+def _steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"K must be a non-negative integer, not {text!r}") from None
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"K must be a non-negative integer, not {text!r}")
+    return steps
+
+
+def _timeout(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"timeout must be a number of seconds, not {text!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"timeout must be positive, not {text!r}")
+    return seconds
+
+
+def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    # The options are accepted before and after the command. On the subparsers their default is
+    # SUPPRESS: a subparser default would overwrite a value given before the command.
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--socket", type=Path, default=default(None), metavar="PATH", help="admin socket path")
+    parser.add_argument("--json", action="store_true", default=default(False), help="print the reply as JSON")
+    parser.add_argument(
+        "--timeout", type=_timeout, default=default(DEFAULT_TIMEOUT_S), metavar="S", help="seconds to wait"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaspecctl",
+        description="Control a running adaspec daemon through its admin socket.",
+        epilog="exit status: 0 ok, 1 error reply, 2 usage error, 3 daemon unreachable",
+    )
+    _add_common_options(parser, defaults=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (text, takes_steps) in COMMANDS.items():
+        sub = commands.add_parser(name, help=text, description=text)
+        if takes_steps:
+            sub.add_argument("steps", type=_steps, metavar="K", help="draft length (non-negative integer)")
+        _add_common_options(sub, defaults=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        options = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 after --help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+
+    path = options.socket or default_socket_path()
+    args = {"steps": options.steps} if COMMANDS[options.command][1] else {}
+    try:
+        reply = request(path, options.command, args, timeout=options.timeout)
+    except Unreachable as exc:
+        print(f"adaspecctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        return 130
+
+    if reply.get("ok"):
+        result = reply.get("result", {})
+        if options.json:
+            print(json.dumps(result, indent=2))
+        elif result:
+            print("\n".join(format_value(result)))
+        return EXIT_OK
+
+    error = reply.get("error")
+    if not isinstance(error, dict):
+        error = {"code": "unknown", "message": repr(error)}
+    if options.json:
+        print(json.dumps(error, indent=2))
+    else:
+        print(f"error [{error.get('code', 'unknown')}]: {error.get('message', '')}", file=sys.stderr)
+    return EXIT_ERROR_REPLY
+
+
+if __name__ == "__main__":
+    sys.exit(main())

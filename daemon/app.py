@@ -1,0 +1,165 @@
+"""The daemon's lifecycle: start, serve, reload, stop.
+
+One anyio task group holds everything that runs: the admin socket server, the config watcher,
+signal handling, and the watchdog/status reporter. The engine runs on its own thread (a thread
+cannot be cancelled, so it is stopped with a message and joined). READY=1 is sent only once
+every runtime state is built and every listener is bound.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import anyio
+import structlog
+from watchfiles import Change, awatch
+
+from control.admin import serve_admin
+from control.config import ConfigSnapshot
+from daemon.commands import AdminCommands
+from daemon.notify import Notifier
+from daemon.reload import Reloader
+from daemon.runtime import build_engine
+from engine.loop import EngineLoop
+
+log = structlog.get_logger("adaspec.daemon")
+
+START_TIMEOUT_EXTENSION_S = 120.0
+STATUS_INTERVAL_S = 2.0
+WATCH_DEBOUNCE_MS = 100
+
+
+class Daemon:
+    def __init__(self, config_path: Path, snapshot: ConfigSnapshot) -> None:
+        self.config_path = config_path
+        self.snapshot = snapshot
+        self.notifier = Notifier()
+        self.started = time.time()
+        self.stopping = anyio.Event()
+        self.loop: EngineLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; the exit status of the process."""
+        self.notifier.extend_timeout(START_TIMEOUT_EXTENSION_S)
+        self.notifier.status("loading models and building runtime states")
+        log.info("starting", config=str(self.config_path), generation=self.snapshot.generation, pid=os.getpid())
+        loop = await anyio.to_thread.run_sync(build_engine, self.snapshot, self._progress)
+        self.loop = loop
+        states = {s.k: round(s.build_seconds, 4) for s in loop.engine.states.values()}
+        log.info("runtime states built", build_seconds=states)
+        self.thread = threading.Thread(target=loop.run, name="adaspec-engine", daemon=True)
+        self.thread.start()
+        reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
+        commands = AdminCommands(loop, reloader, self.started)
+        admin = self.snapshot.admin
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._handle_signals, reloader, tg.cancel_scope)
+            await tg.start(
+                partial(
+                    serve_admin,
+                    admin.socket,
+                    commands,
+                    mode=admin.mode_bits,
+                    group=admin.group,
+                    idle_timeout=admin.idle_timeout_s,
+                    max_connections=admin.max_connections,
+                )
+            )
+            tg.start_soon(self._watch_config, reloader)
+            tg.start_soon(self._report, reloader)
+            self.notifier.ready()
+            log.info("ready", admin_socket=str(admin.socket), steps=loop.controller.steps)
+            await self.stopping.wait()
+            await self._drain()
+            tg.cancel_scope.cancel()
+        return await self._stop_engine()
+
+    def _progress(self, message: str) -> None:
+        self.notifier.extend_timeout(START_TIMEOUT_EXTENSION_S)
+        self.notifier.status(message)
+        log.info("startup", step=message)
+
+    async def _handle_signals(self, reloader: Reloader, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    await reloader.reload("sighup")
+                    continue
+                if self.stopping.is_set():
+                    log.warning("second stop signal: exiting at once", signal=signal.Signals(signum).name)
+                    os._exit(1)
+                log.info("stopping", signal=signal.Signals(signum).name)
+                self.notifier.stopping()
+                self.stopping.set()
+
+    async def _drain(self) -> None:
+        """Admit nothing new; let in-flight requests finish, up to the configured deadline."""
+        assert self.loop is not None
+        self.loop.drain()
+        deadline = self.snapshot.shutdown.drain_timeout_s
+        with anyio.move_on_after(deadline, shield=True) as scope:
+            while self.loop.in_flight or self.loop.engine.has_work:
+                await anyio.sleep(0.02)
+        if scope.cancelled_caught:
+            log.warning("drain deadline passed", in_flight=self.loop.in_flight, deadline_s=deadline)
+        else:
+            log.info("drained")
+
+    async def _stop_engine(self) -> int:
+        assert self.loop is not None and self.thread is not None
+        self.loop.stop()
+        await anyio.to_thread.run_sync(self.thread.join, 10.0)
+        if self.loop.error is not None:
+            return 1
+        log.info("stopped")
+        return 0
+
+    async def _watch_config(self, reloader: Reloader) -> None:
+        # Watch the directory, not the file: editors that save by rename replace the file's inode.
+        target = self.config_path.resolve()
+        stop = anyio.Event()
+        try:
+            async for changes in awatch(
+                target.parent,
+                recursive=False,
+                debounce=WATCH_DEBOUNCE_MS,
+                step=20,
+                stop_event=stop,
+                watch_filter=lambda _change, path: Path(path) == target,
+            ):
+                if all(change == Change.deleted for change, _ in changes) and not target.exists():
+                    log.warning("config file deleted; the running config stays", path=str(target))
+                    continue
+                await reloader.reload("watch")
+        finally:
+            stop.set()
+
+    async def _report(self, reloader: Reloader) -> None:
+        """STATUS= for systemctl status, and WATCHDOG=1 while the engine thread is alive."""
+        assert self.loop is not None
+        watchdog = self.notifier.watchdog_interval()
+        interval = min(STATUS_INTERVAL_S, watchdog) if watchdog else STATUS_INTERVAL_S
+        while True:
+            loop = self.loop
+            self.notifier.status(
+                f"k={loop.controller.steps} mode={loop.controller.mode_name} "
+                f"tokens/s={loop.stats.tokens_per_s:.1f} generation={reloader.snapshot.generation}"
+            )
+            if watchdog:
+                age = time.monotonic() - loop.heartbeat
+                if self.thread is not None and self.thread.is_alive() and age < 2 * watchdog:
+                    self.notifier.watchdog()
+                else:
+                    log.error("engine thread is not making progress: no watchdog ping", heartbeat_age_s=age)
+            if self.thread is not None and not self.thread.is_alive():
+                log.error("engine thread died; stopping", error=repr(loop.error))
+                self.stopping.set()
+                return
+            await anyio.sleep(interval)

@@ -1,0 +1,42 @@
+"""`adaspecd --config PATH` runs the daemon; `adaspecd --check-config PATH` only validates."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+
+from control.config import ConfigError, load_config
+from daemon.logs import configure_logging
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="adaspecd", description="adaspec inference daemon")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--config", type=Path, help="run with this TOML config (hot-reloaded)")
+    group.add_argument("--check-config", type=Path, metavar="PATH", help="validate a config file and exit")
+    args = parser.parse_args(argv)
+
+    path: Path = args.check_config or args.config
+    try:
+        snapshot = load_config(path)
+    except ConfigError as err:
+        print(f"adaspecd: {path}: {len(err.issues)} error(s)", file=sys.stderr)
+        for issue in err.issues:
+            print(f"  {issue}", file=sys.stderr)
+        return 1
+    if args.check_config:
+        print(f"adaspecd: {path}: configuration is valid (sha256 {snapshot.sha256[:12]})")
+        return 0
+
+    configure_logging(snapshot.logging.level, snapshot.logging.format)
+    from daemon.app import Daemon  # imports torch: keep --check-config fast
+
+    return anyio.run(Daemon(path, snapshot).run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Turning the [engine] and [adaptive] sections of a config snapshot into a running engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from control.config import ConfigSnapshot
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.controller import Controller
+from engine.core import Engine
+from engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from engine.loop import EngineLoop
+
+
+def required_steps(snapshot: ConfigSnapshot) -> tuple[int, ...]:
+    """Every k the adaptive section may ask for: each needs a runtime state before it is used."""
+    adaptive = snapshot.adaptive
+    steps = set(adaptive.policy.all_steps)
+    steps.add(adaptive.static_steps)
+    if snapshot.engine.drafter == "none":
+        return (0,)
+    return tuple(sorted(steps))
+
+
+def build_drafter(snapshot: ConfigSnapshot, progress: Callable[[str], None]) -> Drafter | None:
+    engine = snapshot.engine
+    if engine.drafter == "none":
+        return None
+    if engine.drafter == "ngram":
+        return NgramDrafter(engine.ngram_min, engine.ngram_max)
+    progress(f"loading draft {engine.draft}")
+    draft = load_checkpoint(engine.draft, engine.device, None if engine.dtype == "auto" else engine.dtype)
+    return DraftModelDrafter(draft, engine.max_batch_size, engine.max_seq_len)
+
+
+def build_engine(snapshot: ConfigSnapshot, progress: Callable[[str], None] = lambda _: None) -> EngineLoop:
+    """Load the models and build every runtime state the config names (slow: run in a thread)."""
+    settings = snapshot.engine
+    progress(f"loading target {settings.target}")
+    target: Checkpoint = load_checkpoint(
+        settings.target, settings.device, None if settings.dtype == "auto" else settings.dtype
+    )
+    drafter = build_drafter(snapshot, progress)
+    if drafter is not None and isinstance(drafter, DraftModelDrafter):
+        if drafter.model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"draft {settings.draft} has a vocabulary of {drafter.model.config.vocab_size}, "
+                f"the target {target.config.vocab_size}: they must share a tokenizer"
+            )
+    steps = required_steps(snapshot)
+    progress(f"building runtime states for k in {list(steps)}")
+    engine = Engine(
+        target,
+        drafter,
+        settings.max_batch_size,
+        settings.max_seq_len,
+        steps,
+        max_steps=settings.max_steps,
+    )
+    adaptive = snapshot.adaptive
+    if drafter is None:
+        plain = replace(adaptive.policy, candidate_steps=(0,), slots=())
+        controller = Controller(engine, plain, adaptive=False, static_steps=0)
+    else:
+        controller = Controller(
+            engine,
+            adaptive.policy,
+            adaptive=adaptive.enabled,
+            static_steps=adaptive.static_steps,
+            initial_steps=adaptive.initial_steps,
+        )
+    return EngineLoop(controller)

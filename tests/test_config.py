@@ -1,0 +1,392 @@
+"""The config layer: schema, validation (every error at once), snapshots, diff and effective values."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from control.config import (
+    SCHEMA,
+    SLOT_KEYS,
+    AdaptiveSettings,
+    ConfigError,
+    ConfigIssue,
+    ConfigSnapshot,
+    diff,
+    effective,
+    key_paths,
+    load_config,
+    parse_config,
+)
+from engine.policy import BatchSlot, PolicyParams
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "config.toml"
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def issues_of(tmp_path: Path, text: str) -> dict[str, str]:
+    """path -> message of every issue a file has (it must have some)."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, text))
+    return {issue.path: issue.message for issue in caught.value.issues}
+
+
+# --- the shipped file ---------------------------------------------------------------------------
+
+
+def test_shipped_config_parses_and_holds_the_defaults():
+    shipped = load_config(SHIPPED)
+    defaults = parse_config("", path=SHIPPED)
+    assert effective(shipped) == {
+        path: {"value": entry["value"], "source": shipped.sources[path]} for path, entry in effective(defaults).items()
+    }
+    assert shipped.engine.target == ROOT / "models" / "target"
+
+
+def _sections_of(text: str) -> dict[str, list[str]]:
+    """Lines of each [section] of a TOML text (commented-out [[tables]] stay in their section)."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        header = re.match(r"\[([a-z_]+)\]", line)
+        if header:
+            current = sections.setdefault(header[1], [])
+        current.append(line)
+    return sections
+
+
+def test_shipped_config_documents_every_key():
+    sections = _sections_of(SHIPPED.read_text())
+    assert set(sections) == set(SCHEMA)
+    for section, spec in SCHEMA.items():
+        lines = sections[section]
+        names = [(name, name) for name in spec.keys if spec.keys[name].kind != "slots"]
+        if "slots" in spec.keys:
+            names.append(("slots", re.escape(f"[[{section}.slots]]")))
+            names += [(f"slots.{name}", name) for name in SLOT_KEYS]
+        for name, pattern in names:
+            at = [i for i, line in enumerate(lines) if re.match(rf"#?\s*{pattern}(\s*=|$)", line)]
+            assert at, f"{section}.{name} does not appear in config.toml"
+            i = at[0]
+            commented = "#" in lines[i].split("=", 1)[-1] or lines[i - 1].startswith("#")
+            assert commented, f"{section}.{name} has no comment above or beside it"
+
+
+def test_every_schema_key_is_a_settings_field():
+    for section, spec in SCHEMA.items():
+        names = {f.name for f in dataclasses.fields(spec.settings)}
+        if spec.settings is AdaptiveSettings:
+            names = (names - {"policy"}) | {f.name for f in dataclasses.fields(PolicyParams)}
+        assert names == set(spec.keys), section
+
+
+# --- defaults and sources -----------------------------------------------------------------------
+
+
+def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/adaspec:/run/other")
+    snapshot = load_config(write(tmp_path, "[adaptive]\nema_alpha = 0.5\n"))
+    assert snapshot.adaptive.policy.ema_alpha == 0.5
+    assert snapshot.sources["adaptive.ema_alpha"] == "file"
+    assert snapshot.adaptive.policy == PolicyParams(strategy="goodput", ema_alpha=0.5)
+    assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_steps is None
+    assert snapshot.engine.target == tmp_path / "models" / "target"
+    assert snapshot.engine.max_batch_size == 8 and snapshot.server.port == 8000
+    assert snapshot.admin.socket == Path("/run/adaspec/admin.sock")
+    assert snapshot.admin.mode == "0600" and snapshot.admin.group is None
+    assert snapshot.shutdown.drain_timeout_s == 30.0 and snapshot.logging.format == "auto"
+    assert set(snapshot.sources) == set(key_paths())
+    assert {p for p, s in snapshot.sources.items() if s == "file"} == {"adaptive.ema_alpha"}
+
+
+def test_socket_default_falls_back_to_xdg_then_tmp(tmp_path, monkeypatch):
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert parse_config("").admin.socket == Path("/run/user/1000/adaspec/admin.sock")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert str(parse_config("").admin.socket).startswith("/tmp/adaspec-")
+
+
+def test_explicit_paths_resolve_against_the_config_directory(tmp_path):
+    text = '[engine]\ntarget = "../t"\ndraft = "/abs/d"\n[admin]\nsocket = "run/a.sock"\n'
+    snapshot = load_config(write(tmp_path, text))
+    assert snapshot.engine.target == tmp_path / ".." / "t"
+    assert snapshot.engine.draft == Path("/abs/d")
+    assert snapshot.admin.socket == tmp_path / "run" / "a.sock"
+
+
+def test_group_makes_the_default_mode_group_writable(tmp_path):
+    snapshot = load_config(write(tmp_path, '[admin]\ngroup = "adaspec"\n'))
+    assert snapshot.admin.mode == "0660" and snapshot.admin.mode_bits == 0o660
+    assert snapshot.sources["admin.mode"] == "default"
+    assert load_config(write(tmp_path, '[admin]\ngroup = "adaspec"\nmode = "640"\n')).admin.mode == "0640"
+
+
+def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
+    snapshot = load_config(write(tmp_path, "[adaptive]\nema_alpha = 1\n[shutdown]\ndrain_timeout_s = 5\n"))
+    assert snapshot.adaptive.policy.ema_alpha == 1.0 and isinstance(snapshot.adaptive.policy.ema_alpha, float)
+    assert snapshot.shutdown.drain_timeout_s == 5.0
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "fragment"),
+    [
+        ("[adaptiv]\n", "adaptiv", "did you mean 'adaptive'"),
+        ("[adaptive]\nema_alfa = 0.1\n", "adaptive.ema_alfa", "did you mean 'ema_alpha'"),
+        ("engine = 3\n", "engine", "must be a table"),
+        ("[adaptive]\nenabled = 1\n", "adaptive.enabled", "true or false"),
+        ("[engine]\nmax_steps = true\n", "engine.max_steps", "must be an integer, got boolean"),
+        ("[engine]\nmax_steps = 4.0\n", "engine.max_steps", "must be an integer, got float"),
+        ("[adaptive]\nema_alpha = true\n", "adaptive.ema_alpha", "must be a number"),
+        ('[adaptive]\nema_alpha = "0.2"\n', "adaptive.ema_alpha", "must be a number"),
+        ("[adaptive]\nema_alpha = nan\n", "adaptive.ema_alpha", "finite"),
+        ("[adaptive]\nema_alpha = 0\n", "adaptive.ema_alpha", "> 0 and <= 1"),
+        ("[adaptive]\nema_alpha = 1.5\n", "adaptive.ema_alpha", "> 0 and <= 1"),
+        ("[engine]\nmax_batch_size = 0\n", "engine.max_batch_size", ">= 1 and <= 256"),
+        ("[engine]\nmax_seq_len = 65536\n", "engine.max_seq_len", "<= 32768"),
+        ("[engine]\nmax_steps = 17\n", "engine.max_steps", "<= 16"),
+        ("[server]\nport = 0\n", "server.port", ">= 1 and <= 65535"),
+        ("[shutdown]\ndrain_timeout_s = 0\n", "shutdown.drain_timeout_s", "> 0"),
+        ("[adaptive]\nupdate_interval = 0\n", "adaptive.update_interval", ">= 1"),
+        ("[adaptive]\ncandidate_steps = []\n", "adaptive.candidate_steps", "must not be empty"),
+        ("[adaptive]\ncandidate_steps = [1, 3, 3]\n", "adaptive.candidate_steps", "duplicates: 3"),
+        ("[adaptive]\ncandidate_steps = [1, -1]\n", "adaptive.candidate_steps", ">= 0"),
+        ('[adaptive]\ncandidate_steps = [1, "3"]\n', "adaptive.candidate_steps", "integers only"),
+        ("[adaptive]\ncandidate_steps = 3\n", "adaptive.candidate_steps", "array of integers"),
+        ("[adaptive]\ncandidate_steps = [1, 9]\n", "adaptive.candidate_steps", "9 above engine.max_steps = 8"),
+        ("[adaptive]\nstatic_steps = 9\n", "adaptive.static_steps", "above engine.max_steps"),
+        ("[adaptive]\ninitial_steps = 9\n", "adaptive.initial_steps", "above engine.max_steps"),
+        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_steps", "7 above engine.max_steps = 4 (the default"),
+        ("[engine]\nngram_min = 5\n", "engine.ngram_min", "<= engine.ngram_max (4)"),
+        ("[engine]\nngram_min = 0\n", "engine.ngram_min", ">= 1"),
+        ('[admin]\nmode = "0800"\n', "admin.mode", "octal digits"),
+        ('[admin]\nmode = "rw-rw----"\n', "admin.mode", "octal digits"),
+        ('[admin]\nmode = "04755"\n', "admin.mode", "octal digits"),
+        ("[admin]\nmode = 0o600\n", "admin.mode", "got the integer 384"),
+        ('[engine]\ndrafter = "eagle"\n', "engine.drafter", "must be one of 'draft_model', 'ngram', 'none'"),
+        ('[adaptive]\nstrategy = "goodptu"\n', "adaptive.strategy", "did you mean 'goodput'"),
+        ('[engine]\ndevice = "gpu"\n', "engine.device", "'cpu', 'cuda', 'cuda:N', 'npu' or 'npu:N'"),
+        ('[engine]\ndevice = "cuda:x"\n', "engine.device", "'cuda:N'"),
+        ('[engine]\ndtype = "fp16"\n', "engine.dtype", "must be one of"),
+        ('[logging]\nlevel = "verbose"\n', "logging.level", "must be one of"),
+        ('[logging]\nformat = "text"\n', "logging.format", "must be one of"),
+        ('[engine]\ntarget = ""\n', "engine.target", "must not be empty"),
+        ("[engine]\ndraft = 3\n", "engine.draft", "must be a string"),
+        ('[server]\nhost = ""\n', "server.host", "must not be empty"),
+        ("[adaptive]\nslots = 3\n", "adaptive.slots", "array of tables"),
+        ("[[adaptive.slots]]\nmin_batch_size = 0\ncandidate_steps = [1]\n", "adaptive.slots[0].min_batch_size", ">= 1"),
+        ("[[adaptive.slots]]\ncandidate_steps = [1]\n", "adaptive.slots[0].min_batch_size", "missing"),
+        ("[[adaptive.slots]]\nmin_batch_size = 2\ncandidate = [1]\n", "adaptive.slots[0].candidate", "did you mean"),
+        (
+            "[[adaptive.slots]]\nmin_batch_size = 2\ncandidate_steps = []\n",
+            "adaptive.slots[0].candidate_steps",
+            "empty",
+        ),
+    ],
+)
+def test_each_error_is_reported_with_its_key_path(tmp_path, text, path, fragment):
+    issues = issues_of(tmp_path, text)
+    assert path in issues, issues
+    assert fragment in issues[path]
+
+
+def test_explicit_max_steps_bounds_keys_only_when_it_is_valid(tmp_path):
+    # An invalid max_steps is reported once, not again through every k it would bound.
+    assert set(issues_of(tmp_path, "[engine]\nmax_steps = 0\n")) == {"engine.max_steps"}
+
+
+def test_a_file_with_several_errors_reports_all_of_them(tmp_path):
+    text = """
+[engine]
+max_steps = 4
+ngram_min = 3
+ngram_max = 2
+device = "tpu"
+colour = "blue"
+
+[adaptive]
+candidate_steps = [1, 3, 3]
+static_steps = 6
+ema_alpha = 2.0
+
+[[adaptive.slots]]
+min_batch_size = 4
+candidate_steps = [1, 5]
+
+[[adaptive.slots]]
+min_batch_size = 4
+candidate_steps = [2]
+
+[admin]
+mode = "999"
+
+[server]
+port = 70000
+
+[extra]
+"""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, text))
+    paths = [issue.path for issue in caught.value.issues]
+    assert sorted(paths) == sorted(
+        [
+            "engine.ngram_min",
+            "engine.device",
+            "engine.colour",
+            "adaptive.candidate_steps",
+            "adaptive.static_steps",
+            "adaptive.ema_alpha",
+            "adaptive.slots[0].candidate_steps",
+            "adaptive.slots[1].min_batch_size",
+            "admin.mode",
+            "server.port",
+            "extra",
+        ]
+    )
+    # str() lists every issue, one per line, as "path: message".
+    lines = str(caught.value).splitlines()
+    assert lines == [f"{issue.path}: {issue.message}" for issue in caught.value.issues]
+
+
+def test_slot_errors_are_still_reported_next_to_other_slot_errors(tmp_path):
+    text = """
+[engine]
+max_steps = 4
+[[adaptive.slots]]
+min_batch_size = 2
+candidate_steps = [1, 5]
+[[adaptive.slots]]
+min_batch_size = 8
+candidate_steps = [1, 6]
+"""
+    issues = issues_of(tmp_path, text)
+    assert issues == {
+        "adaptive.slots[0].candidate_steps": "5 above engine.max_steps = 4",
+        "adaptive.slots[1].candidate_steps": "6 above engine.max_steps = 4",
+        "adaptive.candidate_steps": "7 above engine.max_steps = 4 (the default; set it explicitly)",
+    }
+
+
+def test_toml_syntax_error_reports_its_line(tmp_path):
+    issues = issues_of(tmp_path, "[engine]\nmax_steps = 4\nport 8000\n")
+    assert list(issues) == ["<toml>"]
+    assert issues["<toml>"].startswith("line 3, column ")
+    # tomllib places some errors "at end of document"; they still get a line.
+    assert issues_of(tmp_path, "[engine]\nmax_steps = [1,\n")["<toml>"].startswith("line 3, column 1: ")
+
+
+def test_a_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / "absent.toml")
+    assert [issue.path for issue in caught.value.issues] == ["<file>"]
+    assert "absent.toml" in caught.value.issues[0].message
+
+
+def test_bytes_that_are_not_utf8_are_a_config_error():
+    with pytest.raises(ConfigError) as caught:
+        parse_config(b"[engine]\ntarget = '\xff'\n")
+    assert caught.value.issues == [ConfigIssue("<file>", "not UTF-8 text (byte 19)")]
+
+
+# --- snapshots ----------------------------------------------------------------------------------
+
+
+def test_snapshot_metadata_and_immutability(tmp_path):
+    path = write(tmp_path, "[server]\nport = 8001\n")
+    first = load_config(path, generation=7)
+    assert first.generation == 7 and first.path == path
+    assert first.loaded_at > 0
+    second = load_config(write(tmp_path, "[server]\nport = 8002\n"), generation=8)
+    assert first.sha256 != second.sha256
+    assert parse_config(path.read_bytes()).sha256 == parse_config(path.read_text()).sha256
+    assert load_config(path).sha256 != first.sha256  # path was rewritten by the second write
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.generation = 2  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.server.port = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        first.sources["server.port"] = "admin"  # type: ignore[index]
+
+
+def test_sha256_is_of_the_raw_bytes(tmp_path):
+    import hashlib
+
+    raw = b"# hello\n[server]\nport = 8001\n"
+    assert parse_config(raw).sha256 == hashlib.sha256(raw).hexdigest()
+    assert parse_config(raw + b"\n").sha256 != parse_config(raw).sha256
+
+
+def test_slots_parse_into_batch_slots():
+    text = """
+[adaptive]
+candidate_steps = [0, 1, 3, 7]
+[[adaptive.slots]]
+min_batch_size = 4
+candidate_steps = [0, 1, 3]
+[[adaptive.slots]]
+min_batch_size = 16
+candidate_steps = [0, 1]
+"""
+    snapshot = parse_config(text)
+    assert snapshot.adaptive.policy.slots == (BatchSlot(4, (0, 1, 3)), BatchSlot(16, (0, 1)))
+    assert snapshot.adaptive.policy.all_steps == (0, 1, 3, 7)
+    assert snapshot.sources["adaptive.slots"] == "file"
+    assert effective(snapshot)["adaptive.slots"]["value"] == [
+        {"min_batch_size": 4, "candidate_steps": [0, 1, 3]},
+        {"min_batch_size": 16, "candidate_steps": [0, 1]},
+    ]
+
+
+def test_slot_candidate_above_max_steps_names_the_slot():
+    with pytest.raises(ConfigError) as caught:
+        parse_config("[[adaptive.slots]]\nmin_batch_size = 2\ncandidate_steps = [1, 9]\n")
+    assert [issue.path for issue in caught.value.issues] == ["adaptive.slots[0].candidate_steps"]
+
+
+# --- diff and effective -------------------------------------------------------------------------
+
+
+def test_diff_classifies_live_and_restart_changes():
+    base = parse_config("[adaptive]\nema_alpha = 0.2\n")
+    assert diff(base, parse_config("")).empty
+    assert diff(base, base).empty
+
+    live = diff(base, parse_config("[adaptive]\nema_alpha = 0.3\n"))
+    assert live.live == ("adaptive.ema_alpha",) and live.restart == () and not live.empty
+
+    restart = diff(base, parse_config("[engine]\nmax_batch_size = 16\n[logging]\nlevel = 'debug'\n"))
+    assert restart.restart == ("engine.max_batch_size",)
+    assert restart.live == ("logging.level",)
+
+
+def test_effective_marks_admin_overrides():
+    snapshot = parse_config("[adaptive]\nstrategy = 'ema'\n")
+    table = effective(snapshot, {"adaptive.steps": 3, "adaptive.ema_alpha": 0.5})
+    assert table["adaptive.strategy"] == {"value": "ema", "source": "file"}
+    assert table["adaptive.candidate_steps"] == {"value": [1, 3, 7], "source": "default"}
+    assert table["adaptive.ema_alpha"] == {"value": 0.5, "source": "admin"}
+    assert table["adaptive.steps"] == {"value": 3, "source": "admin"}
+    assert table["adaptive.initial_steps"] == {"value": None, "source": "default"}
+    assert isinstance(table["engine.target"]["value"], str)
+    assert set(table) == set(key_paths()) | {"adaptive.steps"}
+
+
+def test_get_reads_any_key_path():
+    snapshot = parse_config("[adaptive]\nenabled = false\nswitch_margin = 0.1\n")
+    assert isinstance(snapshot, ConfigSnapshot)
+    assert snapshot.get("adaptive.enabled") is False
+    assert snapshot.get("adaptive.switch_margin") == 0.1
+    with pytest.raises(KeyError):
+        snapshot.get("adaptive.steps")

@@ -1,0 +1,285 @@
+"""The daemon as a real subprocess on the default model: sd_notify, admin socket, hot reload,
+signals. Every check is what an operator would see through systemd, adaspecctl or the logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT
+
+START_TIMEOUT_S = 120
+
+CONFIG = """\
+[engine]
+target = "{target}"
+draft = "{draft}"
+max_batch_size = 2
+max_seq_len = 512
+
+[adaptive]
+strategy = "ema"
+candidate_steps = [1, 3, 7]
+ema_alpha = 0.2
+
+[admin]
+socket = "{socket}"
+idle_timeout_s = 1.0
+
+[logging]
+level = "info"
+format = "json"
+"""
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen
+    folder: Path
+    config: Path
+    socket: Path
+    log: Path
+    notify: socket.socket
+    messages: list[str]
+
+    def collect_notifications(self) -> None:
+        """Read every datagram as it comes, as systemd does (a full queue would block the sender)."""
+        self.notify.settimeout(0.2)
+        while self.notify.fileno() != -1:
+            try:
+                self.messages.append(self.notify.recv(4096).decode())
+            except (TimeoutError, BlockingIOError):
+                continue
+            except OSError:
+                return
+
+    def ctl(self, *args: str, json_out: bool = True) -> tuple[int, dict | str]:
+        cmd = [sys.executable, "-m", "control.ctl", "--socket", str(self.socket)]
+        cmd += ["--json"] if json_out else []
+        done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        out = done.stdout if done.returncode == 0 else done.stdout + done.stderr
+        return done.returncode, (json.loads(out) if json_out and out.strip().startswith("{") else out)
+
+    def status(self) -> dict:
+        code, result = self.ctl("status")
+        assert code == 0, result
+        return result
+
+    def events(self, name: str | None = None) -> list[dict]:
+        found = []
+        for line in self.log.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if name is None or event.get("event") == name:
+                found.append(event)
+        return found
+
+    def notifications(self) -> list[str]:
+        time.sleep(0.3)
+        return list(self.messages)
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            assert self.process.poll() is None, f"daemon exited ({self.process.returncode}):\n{self.log.read_text()}"
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}\n{self.log.read_text()[-3000:]}")
+
+
+def start_daemon(folder: Path) -> Daemon:
+    run_dir = folder / "run"
+    config = folder / "config.toml"
+    sock = run_dir / "admin.sock"
+    config.write_text(CONFIG.format(target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, socket=sock))
+    notify_path = folder / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    log = folder / "daemon.log"
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
+    daemon = Daemon(process, folder, config, sock, log, notify, [])
+    threading.Thread(target=daemon.collect_notifications, daemon=True).start()
+    daemon.wait_for(lambda: any("READY=1" in m for m in daemon.messages), START_TIMEOUT_S, "READY=1")
+    return daemon
+
+
+def stop_daemon(daemon: Daemon) -> None:
+    if daemon.process.poll() is None:
+        daemon.process.send_signal(signal.SIGTERM)
+        try:
+            daemon.process.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.process.kill()
+            daemon.process.wait()
+    daemon.notify.close()
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    # AF_UNIX paths must stay under 108 bytes: pytest's tmp_path can be longer.
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    d = start_daemon(folder)
+    yield d
+    stop_daemon(d)
+
+
+def rewrite(config: Path, old: str, new: str, by_rename: bool = False) -> None:
+    text = config.read_text()
+    assert old in text
+    text = text.replace(old, new)
+    if by_rename:  # what vim, emacs and most editors do: write a temporary file, rename it over
+        temp = config.with_name(".config.toml.swp")
+        temp.write_text(text)
+        os.replace(temp, config)
+    else:
+        config.write_text(text)
+
+
+def test_ready_then_status_shows_the_running_state(daemon):
+    status = daemon.status()
+    assert status["mode"] == "adaptive" and status["strategy"] == "ema"
+    assert status["steps"] == 7 and status["generation"] == 1
+    assert [s["k"] for s in status["runtime_states"]] == [1, 3, 7]
+    assert all(s["build_seconds"] > 0 for s in status["runtime_states"])
+    assert status["last_reload"]["ok"] is True
+    assert oct(daemon.socket.stat().st_mode & 0o777) == "0o600"
+
+
+def test_pin_force_unpin_take_effect_at_a_boundary(daemon):
+    code, pinned = daemon.ctl("pin", "3")
+    assert code == 0 and pinned["steps"] == 3 and pinned["mode"] == "pinned"
+    assert daemon.status()["steps"] == 3
+    switch = daemon.wait_for(lambda: [e for e in daemon.events("switch") if e["reason"] == "pin"], 5, "switch log")
+    assert switch[-1]["to"] == 3 and switch[-1]["round"] == pinned["round"]
+
+    code, unpinned = daemon.ctl("unpin")
+    assert code == 0 and unpinned["mode"] == "adaptive"
+    code, forced = daemon.ctl("force", "1")  # holds until the next round runs, then adapts
+    assert code == 0 and forced["steps"] == 1 and forced["mode"] == "forced"
+
+    code, result = daemon.ctl("pin", "5")  # no runtime state for 5
+    assert code == 1 and "no runtime state for step count 5" in result["message"]
+    code, text = daemon.ctl("pin", "3", json_out=False)
+    assert code == 0 and "pinned" in text
+    daemon.ctl("unpin")
+
+
+def test_in_place_edit_applies_within_two_seconds(daemon):
+    before = daemon.status()["generation"]
+    started = time.monotonic()
+    rewrite(daemon.config, "ema_alpha = 0.2", "ema_alpha = 0.3")
+    status = daemon.wait_for(
+        lambda: (s := daemon.status())["generation"] == before + 1 and s, 2.0, "the in-place edit to apply"
+    )
+    assert status["last_reload"]["ok"] and status["last_reload"]["trigger"] == "watch"
+    code, config = daemon.ctl("config")
+    assert config["values"]["adaptive.ema_alpha"] == {"value": 0.3, "source": "file"}
+    assert time.monotonic() - started < 2.0
+
+
+def test_save_by_rename_edit_applies_within_two_seconds(daemon):
+    before = daemon.status()["generation"]
+    rewrite(daemon.config, 'strategy = "ema"', 'strategy = "goodput"', by_rename=True)
+    status = daemon.wait_for(
+        lambda: (s := daemon.status())["generation"] == before + 1 and s, 2.0, "the renamed file to apply"
+    )
+    assert status["strategy"] == "goodput"
+
+
+@pytest.mark.parametrize(
+    ("old", "bad", "message"),
+    [
+        ("ema_alpha = 0.3", "ema_alpha = [0.3", "<toml>: line"),
+        ("ema_alpha = 0.3", 'ema_alpha = "fast"', "adaptive.ema_alpha"),
+        ("ema_alpha = 0.3", "ema_alpha = 7.5", "adaptive.ema_alpha"),
+    ],
+    ids=["syntax", "type", "range"],
+)
+def test_bad_edits_are_rejected_and_the_old_config_stays(daemon, old, bad, message):
+    before = daemon.status()
+    rewrite(daemon.config, old, bad)
+    status = daemon.wait_for(lambda: (s := daemon.status())["last_reload"]["ok"] is False and s, 3.0, "the rejection")
+    assert status["generation"] == before["generation"]
+    assert any(message in error for error in status["last_reload"]["errors"])
+    assert status["strategy"] == before["strategy"] and status["steps"] == before["steps"]
+    code, result = daemon.ctl("reload")  # the same errors through adaspecctl, exit status 1
+    assert code == 1 and result["code"] == "reload_rejected" and message in result["message"]
+    assert daemon.events("reload rejected")
+    rewrite(daemon.config, bad, old)
+    daemon.wait_for(lambda: daemon.status()["last_reload"]["ok"], 3.0, "the fixed file")
+
+
+def test_sighup_reloads(daemon):
+    daemon.process.send_signal(signal.SIGHUP)
+    daemon.wait_for(lambda: [e for e in daemon.events("reload") if e.get("trigger") == "sighup"], 5, "SIGHUP reload")
+    assert any("RELOADING=1" in m and "MONOTONIC_USEC=" in m for m in daemon.notifications())
+
+
+def test_garbage_and_oversized_admin_input_leave_the_daemon_serving(daemon):
+    for payload in (b"\x00\xffnot json\n", b'{"cmd": 5}\n', b"[1,2]\n", b"x" * 70000 + b"\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(5)
+            client.connect(str(daemon.socket))
+            client.sendall(payload)
+            reply = client.recv(4096)
+            assert b'"ok": false' in reply or b'"ok":false' in reply
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:  # an idle client is closed
+        idle.settimeout(5)
+        idle.connect(str(daemon.socket))
+        data = idle.recv(4096)
+        assert data == b"" or b"timeout" in data
+    code, result = daemon.ctl("frobnicate")
+    assert code in (1, 2)
+    assert daemon.status()["generation"] >= 1 and daemon.process.poll() is None
+
+
+def test_check_config_lists_every_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[engine]\nmax_batch_size = 0\n[adaptive]\nema_alpha = "x"\ncandidate_steps = []\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "--check-config", str(bad)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode != 0
+    for key in ("engine.max_batch_size", "adaptive.ema_alpha", "adaptive.candidate_steps"):
+        assert key in done.stderr
+    good = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "--check-config", str(ROOT / "config.toml")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert good.returncode == 0, good.stderr
+
+
+def test_sigterm_drains_and_exits_zero():
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    daemon = start_daemon(folder)
+    daemon.process.send_signal(signal.SIGTERM)
+    assert daemon.process.wait(30) == 0
+    assert any("STOPPING=1" in m for m in daemon.notifications())
+    assert daemon.events("drained") and daemon.events("stopped")
+    assert not daemon.socket.exists()
+    daemon.notify.close()
