@@ -293,17 +293,24 @@ class GoodputPolicy:
 
     def _learn(self, observation: Observation) -> None:
         alpha = self.params.ema_alpha
+        deepest = -1
         for j in range(max(observation.proposed, default=0)):
             reached = [a for a, p in zip(observation.accepted, observation.proposed) if a >= j and p > j]
             if not reached:
-                break
+                break  # every chain ended earlier: nothing was learnt about this depth
             rate = sum(1 for a in reached if a > j) / len(reached)
-            if j < len(self.position_rates):
-                self.position_rates[j] = (1 - alpha) * self.position_rates[j] + alpha * rate
-            else:
-                # A new depth starts from what the previous depth shows, not from nothing.
-                prior = self.position_rates[-1] if self.position_rates else rate
-                self.position_rates.append((1 - alpha) * prior + alpha * rate)
+            # Each request that reached depth j is one trial: a batch of n weighs like n rounds.
+            weight = 1 - (1 - alpha) ** len(reached)
+            if j == len(self.position_rates):
+                # A new depth starts from what the depth before it shows, not from nothing.
+                self.position_rates.append(self.position_rates[-1] if self.position_rates else rate)
+            self.position_rates[j] += weight * (rate - self.position_rates[j])
+            deepest = j
+        # Depths not drafted this round drift towards the deepest one measured, so that an old
+        # estimate from a different phase does not hold a longer chain back for ever.
+        for j in range(deepest + 1, len(self.position_rates)):
+            if deepest >= 0:
+                self.position_rates[j] += alpha * (self.position_rates[deepest] - self.position_rates[j])
 
     def observe(self, observation: Observation) -> Decision | None:
         if not observation.accepted:
@@ -313,7 +320,8 @@ class GoodputPolicy:
             self.rounds_at_zero += 1
             if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:
                 self.rounds_at_zero = 0
-                self.batches = 0
+                # Decide again after one interval of probing (the warm-up was done long ago).
+                self.batches = self.params.warmup_batches
                 self._steps = self.candidates[1]
                 return Decision(self._steps, "probe", self.ema)
             return None
