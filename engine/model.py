@@ -93,6 +93,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -115,9 +117,9 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
     return inv_freq
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's negation folded into `signed_sin`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -136,14 +138,15 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch | None, cache: KVCache | None) -> Tensor:
         bsz, seqlen, _ = x.shape
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(bsz, seqlen, self.num_heads, self.head_dim)
-        k = k.view(bsz, seqlen, self.num_kv_heads, self.head_dim)
-        v = v.view(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(bsz, seqlen, heads + 2 * kv_heads, self.head_dim)
+        v = qkv[:, :, heads + kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = torch.cat((self.q_norm(qkv[:, :, :heads]), self.k_norm(qkv[:, :, heads : heads + kv_heads])), dim=2)
+        else:
+            qk = qkv[:, :, : heads + kv_heads]
+        # Queries and keys get the same rotation: one pass over both heads' worth of values.
+        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=2)
 
         if batch is None or cache is None:  # training: plain causal attention over x
             out = F.scaled_dot_product_attention(
@@ -213,9 +216,9 @@ class Transformer(nn.Module):
         device = self.embed_tokens.weight.device
         positions = torch.arange(self.max_positions, device=device).float()
         inv_freq = rope_inverse_frequencies(self.config.rope, self.config.head_dim).to(device)
-        angles = torch.outer(positions, inv_freq).repeat(1, 2)
-        self.rope_cos = angles.cos()
-        self.rope_sin = angles.sin()
+        angles = torch.outer(positions, inv_freq)
+        self.rope_cos = angles.cos().repeat(1, 2)
+        self.rope_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # see apply_rope
 
     def forward(
         self,
