@@ -178,7 +178,8 @@ def print_table(reports: dict[str, ModeReport]) -> None:
     for mode, r in reports.items():
         histogram = " ".join(f"k={k}:{n}" for k, n in sorted(r.k_rounds.items()))
         print(f"  {mode:<16} rounds by k: {histogram}")
-    statics = {m: r for m, r in reports.items() if m.startswith("static:")}
+    # `none` is static k = 0: a policy that turns speculation off must beat it too.
+    statics = {m: r for m, r in reports.items() if m == "none" or m.startswith("static:")}
     if statics:
         best_mode = max(statics, key=lambda m: statics[m].tokens / statics[m].seconds)
         best = statics[best_mode].tokens / statics[best_mode].seconds
