@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.backend import Backend, backend_for
 from engine.checkpoint import Checkpoint
-from engine.drafters import Drafter, Proposal
+from engine.drafters import Drafter, DraftModelDrafter, Proposal
+from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
 from engine.model import ForwardBatch
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
@@ -50,8 +52,9 @@ class RuntimeState:
     """Everything a round with step count `k` needs, made before it is ever selected.
 
     On CPU that is the warmed-up shapes of its verify forward and the measured cost of a round;
-    accelerator backends add captured graphs here. Buffers shared by all states (the draft
-    model's probability buffer) are sized for the largest k the engine accepts.
+    on backends with graphs it also owns its verify graphs (`memory_bytes` is what capturing them
+    added). Buffers shared by all states (the draft model's probability buffer, its decode-step
+    graphs) are sized for the largest k the engine accepts.
     """
 
     k: int
@@ -59,6 +62,7 @@ class RuntimeState:
     memory_bytes: int
     warmup_seconds: dict[int, float]  # batch size -> one verify forward at build time
     stats: StateStats = field(default_factory=StateStats)
+    graphs: GraphSet | None = None  # verify graphs of width k+1, one per batch-size bucket
 
 
 @dataclass
@@ -97,6 +101,9 @@ class Engine:
         candidate_steps: Iterable[int],
         max_steps: int = 8,
         initial_steps: int | None = None,
+        backend: Backend | None = None,
+        graphs: bool = True,
+        graph_batch_sizes: Iterable[int] | None = None,
     ) -> None:
         self.target = target
         self.model = target.model
@@ -105,6 +112,17 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.max_steps = max_steps
         self.cache = self.model.new_cache(max_batch_size, max_seq_len)
+        self.backend = backend or backend_for(self.model.embed_tokens.weight.device)
+        # Held by each round and by graph capture: a state built from another thread must not
+        # capture while a round runs on the device.
+        self._device_lock = threading.Lock()
+        self.graph_runner: GraphRunner | None = None
+        self.draft_graph_runner: GraphRunner | None = None
+        if graphs and self.backend.supports_graphs:
+            sizes = list(graph_batch_sizes or default_batch_sizes(max_batch_size))
+            self.graph_runner = GraphRunner(self.model, self.cache, self.backend, sizes)
+            if isinstance(drafter, DraftModelDrafter):
+                self.draft_graph_runner = GraphRunner(drafter.model, drafter.cache, self.backend, sizes)
         self.round = 0
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
@@ -132,10 +150,39 @@ class Engine:
             if k in self.states:
                 return self.states[k]
         started = time.perf_counter()
-        warmup = self._warm_up_verify(k)
-        state = RuntimeState(k=k, build_seconds=time.perf_counter() - started, memory_bytes=0, warmup_seconds=warmup)
+        graphs, memory = None, 0
+        if self.graph_runner is None:
+            warmup = self._warm_up_verify(k)
+        else:
+            # No round may run meanwhile: a capture fails if another thread touches the device.
+            with self._device_lock:
+                warmup = self._warm_up_verify(k)
+                graphs, memory = self._capture_graphs(k)
+        state = RuntimeState(
+            k=k, build_seconds=time.perf_counter() - started, memory_bytes=memory, warmup_seconds=warmup, graphs=graphs
+        )
         with self._states_lock:
             return self.states.setdefault(k, state)
+
+    def _capture_graphs(self, k: int) -> tuple[GraphSet, int]:
+        """State k's verify graphs, and the shared draft-step graphs if no state has captured them
+        yet (this state then pays for them); returns the graphs and the memory they added. The
+        caller holds the device lock."""
+        assert self.graph_runner is not None
+        capture = self.drafter.capture_layers if self.drafter is not None else ()
+        graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], capture)
+        memory = graphs.memory_bytes
+        drafter = self.drafter
+        if k > 0 and self.draft_graph_runner is not None and isinstance(drafter, DraftModelDrafter):
+            if drafter.graphs is None:
+                drafter.graphs = self.draft_graph_runner.capture(ForwardMode.DRAFT, [1, 2])
+                memory += drafter.graphs.memory_bytes
+        return graphs, memory
+
+    @property
+    def graph_captures(self) -> int:
+        """Graphs captured so far: only building a state adds to it, never selecting one."""
+        return sum(r.captures for r in (self.graph_runner, self.draft_graph_runner) if r is not None)
 
     @torch.inference_mode()
     def _warm_up_verify(self, k: int) -> dict[int, float]:
@@ -153,7 +200,8 @@ class Engine:
         return timings
 
     def select(self, k: int) -> RuntimeState:
-        """Make the state for `k` active from the next round on. Call between steps only."""
+        """Make the state for `k` active from the next round on (a reference swap: its graphs are
+        already captured). Call between steps only."""
         with self._states_lock:
             state = self.states.get(k)
         if state is None:
@@ -192,6 +240,10 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> StepResult:
         """One boundary and one round: admit, draft, verify, accept, emit, retire."""
+        with self._device_lock:
+            return self._step()
+
+    def _step(self) -> StepResult:
         state = self.state
         outputs: dict[str, SequenceOutput] = {}
         self._apply_cancellations(outputs)
@@ -212,7 +264,7 @@ class Engine:
         started = time.perf_counter()
         proposals = self.draft(state, seqs)
         drafted = time.perf_counter()
-        emitted, hidden = self.verify(seqs, proposals)
+        emitted, hidden = self.verify(seqs, proposals, state)
         verified = time.perf_counter()
         self.accept(seqs, proposals, emitted, hidden, outputs)
 
@@ -244,15 +296,20 @@ class Engine:
         ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
         return self.drafter.propose(seqs, ks)
 
-    def verify(self, seqs: Seq[Sequence], proposals: Seq[Proposal]) -> tuple[list[list[int]], dict]:
+    def verify(
+        self, seqs: Seq[Sequence], proposals: Seq[Proposal], state: RuntimeState | None = None
+    ) -> tuple[list[list[int]], dict]:
+        """One target forward over each pending token and its drafts: through `state`'s graphs
+        when the batch fits one, else eagerly."""
         capture = self.drafter.capture_layers if self.drafter is not None else ()
-        batch = ForwardBatch.build(
-            self.cache,
-            [s.slot for s in seqs],
-            [[s.tokens[-1], *p.tokens] for s, p in zip(seqs, proposals)],
-            self.model.config.sliding_window,
-        )
-        out = self.model(batch, self.cache, capture=capture)
+        slots = [s.slot for s in seqs]
+        tokens = [[s.tokens[-1], *p.tokens] for s, p in zip(seqs, proposals)]
+        out = None
+        if state is not None and state.graphs is not None:
+            out = state.graphs.run(ForwardMode.VERIFY, slots, tokens, capture)
+        if out is None:
+            batch = ForwardBatch.build(self.cache, slots, tokens, self.model.config.sliding_window)
+            out = self.model(batch, self.cache, capture=capture)
         return verify(out.logits, seqs, proposals), out.hidden
 
     def accept(

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from engine.checkpoint import Checkpoint
+from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch
 from engine.request import Sequence
@@ -62,6 +63,8 @@ class DraftModelDrafter:
         self.checkpoint = draft
         self.model = draft.model
         self.cache: KVCache = draft.model.new_cache(max_batch_size, max_seq_len)
+        # Decode-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
+        self.graphs: GraphSet | None = None
 
     def admit(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
@@ -69,13 +72,19 @@ class DraftModelDrafter:
         # The prompt is prefilled now; the first generated token joins at the first proposal.
         self._forward(seqs, [seq.tokens[:-1] for seq in seqs])
 
-    def _forward(self, seqs: Seq[Sequence], inputs: Seq[Seq[int]]) -> Tensor | None:
+    def _forward(
+        self, seqs: Seq[Sequence], inputs: Seq[Seq[int]], mode: ForwardMode = ForwardMode.PREFILL
+    ) -> Tensor | None:
         rows = [(seq, tokens) for seq, tokens in zip(seqs, inputs) if tokens]
         if not rows:
             return None
         slots = [seq.draft_slot for seq, _ in rows]
-        batch = ForwardBatch.build(self.cache, slots, [t for _, t in rows], self.model.config.sliding_window)
-        return self.model(batch, self.cache, last_only=True).logits[:, -1]
+        tokens = [t for _, t in rows]
+        out = self.graphs.run(mode, slots, tokens) if self.graphs is not None else None
+        if out is None:
+            batch = ForwardBatch.build(self.cache, slots, tokens, self.model.config.sliding_window)
+            out = self.model(batch, self.cache, last_only=True)
+        return out.logits[:, -1]
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
         proposals = [Proposal([]) for _ in seqs]
@@ -83,7 +92,7 @@ class DraftModelDrafter:
         active = [i for i, k in enumerate(ks) if k > 0]
         inputs = {i: seqs[i].tokens[self.cache.lengths[seqs[i].draft_slot] :] for i in active}
         while active:
-            logits = self._forward([seqs[i] for i in active], [inputs[i] for i in active])
+            logits = self._forward([seqs[i] for i in active], [inputs[i] for i in active], ForwardMode.DRAFT)
             greedy_rows = logits.argmax(dim=-1).tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]

@@ -228,6 +228,22 @@ class Transformer(nn.Module):
         capture: Sequence[int] = (),
     ) -> ForwardOutput:
         """Run the new tokens of `batch`, appending them to `cache`, and return their logits."""
+        x, hidden = self.run_layers(batch, cache, capture)
+        if last_only:
+            last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        for slot, n in zip(batch.slots.tolist(), batch.num_new):
+            cache.lengths[slot] += n
+        return ForwardOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
+
+    def run_layers(
+        self, batch: ForwardBatch, cache: KVCache, capture: Sequence[int] = ()
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Embed and run every layer, writing the new keys and values into `cache`.
+
+        Nothing here reads a device value back to the host, so a graph can capture it
+        (engine/graphs.py); the host-side lengths are left to the caller.
+        """
         x = self.embed_tokens(batch.tokens)
         dtype = x.dtype
         cos = self.rope_cos[batch.positions].to(dtype).unsqueeze(2)
@@ -237,12 +253,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, batch, cache)
             if i in capture:
                 hidden[i] = x
-        if last_only:
-            last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        for slot, n in zip(batch.slots.tolist(), batch.num_new):
-            cache.lengths[slot] += n
-        return ForwardOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
+        return x, hidden
 
     def forward_train(self, tokens: Tensor) -> Tensor:
         """Causal forward over whole sequences without a cache; returns logits [B, T, V]."""

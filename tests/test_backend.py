@@ -1,0 +1,426 @@
+"""The device backend seam and captured forwards.
+
+On CPU: backend selection, the compile policy, the graph guards, the static-shape forward a graph
+captures, and the whole engine running through a graph runner whose backend 'replays' by re-running
+the captured function (same static buffers, same outputs overwritten in place). On CUDA: real
+graphs against eager on the default pair."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from engine.backend import Backend, CpuBackend, CudaBackend, NpuBackend, backend_for
+from engine.checkpoint import load_checkpoint
+from engine.core import Engine
+from engine.device import DeviceError
+from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.generate import generate
+from engine.graphs import (
+    ForwardMode,
+    GraphKey,
+    GraphRunner,
+    default_batch_sizes,
+    pack_inputs,
+    select_graph,
+    static_forward,
+)
+from engine.model import ForwardBatch
+from engine.request import Request
+from engine.sampling import SamplingParams
+from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, save_tiny, tiny_hf_model
+from tests.test_speculative import PROMPTS, perturbed_copy
+
+MAX_SEQ_LEN = 96
+STEPS = (0, 1, 2, 3, 5, 7)
+
+
+class RerunGraph:
+    """Stands in for a captured graph: replay re-runs the body and overwrites the captured outputs."""
+
+    def __init__(self, fn, outputs) -> None:
+        self.fn = fn
+        self.outputs = outputs
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        for out, new in zip(self.outputs, self.fn()):
+            out.copy_(new)
+
+
+class FakeGraphBackend(Backend):
+    name = "fake"
+    supports_graphs = True
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.graphs: list[RerunGraph] = []
+
+    def capture(self, fn):
+        outputs = fn()
+        graph = RerunGraph(fn, outputs)
+        self.graphs.append(graph)
+        return graph, outputs
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
+    draft_dir = perturbed_copy(target_dir, root / "draft", scale=0.2)
+    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
+
+
+# ---- backend selection -------------------------------------------------------------------
+
+
+def test_cpu_backend_runs_eagerly_and_accounts_no_memory():
+    backend = backend_for("cpu")
+    assert type(backend) is CpuBackend and backend.name == "cpu"
+    assert backend.device == torch.device("cpu") and backend.default_dtype == torch.float32
+    assert not backend.supports_graphs and backend.allows_compile
+    backend.synchronize()
+    assert backend.memory_allocated() == 0 and backend.memory_reserved() == 0
+    assert backend.graph_pool() is None
+    with pytest.raises(NotImplementedError, match="no graphs"):
+        backend.capture(lambda: None)
+    assert backend_for(torch.device("cpu")).name == "cpu"
+
+
+def test_npu_without_torch_npu_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu now raises ImportError
+    with pytest.raises(DeviceError, match="torch_npu"):
+        backend_for("npu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is absent")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        backend_for("cuda")
+
+
+def test_compile_is_never_allowed_on_npu():
+    assert NpuBackend.allows_compile is False
+    assert CudaBackend.allows_compile and Backend.allows_compile
+
+    class NoCompile(Backend):
+        allows_compile = False
+
+    def fn(x):
+        return x + 1
+
+    assert NoCompile(torch.device("cpu")).maybe_compile(fn) is fn
+
+
+def test_engine_on_cpu_captures_nothing(pair):
+    target, draft = pair
+    engine = Engine(target, DraftModelDrafter(draft, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [0, 3])
+    assert engine.backend.name == "cpu" and engine.graph_runner is None and engine.draft_graph_runner is None
+    assert engine.graph_captures == 0
+    assert all(s.graphs is None and s.memory_bytes == 0 for s in engine.states.values())
+    assert engine.drafter.graphs is None
+
+
+# ---- guards ------------------------------------------------------------------------------
+
+
+def test_default_batch_sizes():
+    assert default_batch_sizes(1) == [1]
+    assert default_batch_sizes(8) == [1, 2, 4, 8]
+    assert default_batch_sizes(6) == [1, 2, 4, 6]
+
+
+def test_selection_matches_mode_and_capture_and_pads_width_and_batch():
+    keys = [GraphKey(ForwardMode.VERIFY, 4, b) for b in (1, 2, 4)]
+    keys += [GraphKey(ForwardMode.VERIFY, 4, b, (1,)) for b in (1, 2, 4)]
+    keys += [GraphKey(ForwardMode.DRAFT, w, b) for w in (1, 2) for b in (1, 2, 4)]
+    keys += [GraphKey(ForwardMode.PREFILL, 16, 4)]
+    verify, draft, prefill = ForwardMode.VERIFY, ForwardMode.DRAFT, ForwardMode.PREFILL
+
+    assert select_graph(keys, verify, 4, 3) == GraphKey(verify, 4, 4)
+    assert select_graph(keys, verify, 4, 1, (1,)) == GraphKey(verify, 4, 1, (1,))
+    # A verify of one token (k = 0, or drafts cut short) pads to the verify width: never a draft
+    # step or a prefill graph, though both would fit.
+    assert select_graph(keys, verify, 1, 1) == GraphKey(verify, 4, 1)
+    assert select_graph(keys, draft, 1, 2) == GraphKey(draft, 1, 2)
+    assert select_graph(keys, draft, 2, 3) == GraphKey(draft, 2, 4)
+    assert select_graph(keys, prefill, 9, 2) == GraphKey(prefill, 16, 4)
+    # Eager: too many rows, too wide, hidden states not captured, nothing for the mode.
+    assert select_graph(keys, verify, 4, 5) is None
+    assert select_graph(keys, verify, 5, 1) is None
+    assert select_graph(keys, draft, 3, 1) is None
+    assert select_graph(keys, verify, 4, 1, (0,)) is None
+    assert select_graph(keys, verify, 4, 1, (0, 1)) is None
+    assert select_graph([k for k in keys if k.mode is not prefill], prefill, 1, 1) is None
+
+
+def test_runner_refuses_to_capture_prefill(pair):
+    target, _ = pair
+    runner = GraphRunner(target.model, target.model.new_cache(2, MAX_SEQ_LEN), FakeGraphBackend(), [1, 2])
+    with pytest.raises(ValueError, match="prefill runs eagerly"):
+        runner.capture(ForwardMode.PREFILL, [8])
+    assert runner.captures == 0
+
+
+@torch.inference_mode()
+def test_runner_replays_only_what_fits_and_falls_back_otherwise(pair):
+    target, _ = pair
+    model = target.model
+    cache = model.new_cache(4, MAX_SEQ_LEN)
+    slots = [cache.allocate() for _ in range(4)]
+    model(ForwardBatch.build(cache, slots, PROMPTS), cache)
+    backend = FakeGraphBackend()
+    runner = GraphRunner(model, cache, backend, [1, 2])
+    graphs = runner.capture(ForwardMode.VERIFY, [3])
+    assert sorted((k.width, k.batch_size) for k in graphs.graphs) == [(3, 1), (3, 2)] and runner.captures == 2
+    lengths = list(cache.lengths)
+
+    eager_cases = [
+        (ForwardMode.VERIFY, slots[:3], [[5, 6, 7]] * 3, ()),  # more rows than the largest bucket
+        (ForwardMode.VERIFY, slots[:1], [[5, 6, 7, 8]], ()),  # wider than k + 1
+        (ForwardMode.VERIFY, slots[:1], [[5, 6]], (0,)),  # hidden states the graph does not return
+        (ForwardMode.DRAFT, slots[:1], [[5]], ()),  # another mode
+        (ForwardMode.PREFILL, slots[:1], [[5, 6]], ()),
+        (ForwardMode.VERIFY, slots[:1], [[]], ()),  # invalid: the eager path raises the error
+    ]
+    for mode, rows, tokens, capture in eager_cases:
+        assert graphs.run(mode, rows, tokens, capture) is None
+    assert runner.eager_runs == len(eager_cases) and runner.replays == 0
+    assert sum(g.replays for g in backend.graphs) == 0 and cache.lengths == lengths
+
+    out = graphs.run(ForwardMode.VERIFY, [slots[2]], [[5, 6]])
+    assert out is not None and out.logits.shape == (1, 3, model.config.vocab_size)
+    assert runner.replays == 1 and cache.lengths[slots[2]] == lengths[slots[2]] + 2
+    assert runner.captures == 2  # replaying never captures
+
+
+def test_static_forward_equals_the_eager_ragged_forward():
+    """The graph body, run on CPU, gives the eager forward's logits and cache contents: padded
+    width, padded rows, non-contiguous slots, and a sliding window all included."""
+    model = load_tiny("mistral", sliding_window=6)
+    cache = model.new_cache(4, 32)
+    slots = [cache.allocate() for _ in range(4)]
+    with torch.inference_mode():
+        model(ForwardBatch.build(cache, slots, [[3, 4, 5, 6, 7, 8, 9], [9, 10], [11, 12, 13, 14], [5]]), cache)
+        picked = [slots[3], slots[0], slots[2]]
+        new = [[20, 21, 22], [23], [24, 25]]
+        eager_cache, static_cache = clone_cache(cache), clone_cache(cache)
+        eager = model(ForwardBatch.build(eager_cache, picked, new, model.config.sliding_window), eager_cache)
+        width, rows = 4, 4  # one more column and one more row than the batch needs
+        inputs = pack_inputs(static_cache, picked, new, width, rows)
+        logits, *_ = static_forward(model, static_cache, inputs, width, (), last_only=False)
+        last, *_ = static_forward(model, clone_cache(cache), inputs, width, (), last_only=True)
+    for row, tokens in enumerate(new):
+        n = len(tokens)
+        torch.testing.assert_close(logits[row, :n], eager.logits[row, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(last[row, 0], eager.logits[row, n - 1], atol=1e-5, rtol=0)
+    for slot, tokens in zip(picked, new):
+        end = eager_cache.lengths[slot]  # the eager forward advanced it; the static one did not
+        assert end == cache.lengths[slot] + len(tokens) and static_cache.lengths[slot] == cache.lengths[slot]
+        torch.testing.assert_close(static_cache.k[:, slot, :end], eager_cache.k[:, slot, :end], atol=1e-6, rtol=0)
+        torch.testing.assert_close(static_cache.v[:, slot, :end], eager_cache.v[:, slot, :end], atol=1e-6, rtol=0)
+    assert torch.isfinite(static_cache.k).all() and torch.isfinite(static_cache.v).all()
+
+
+def test_the_captured_body_reads_nothing_back_to_the_host():
+    """On the meta device any .tolist(), .item() or host copy fails: the graph body has none, so
+    a capture cannot hit a device synchronisation (the eager forward does read back)."""
+    model = load_tiny("mistral", sliding_window=6)
+    cache = model.new_cache(2, 16)
+    model.to("meta")
+    cache.k, cache.v = cache.k.to("meta"), cache.v.to("meta")
+    inputs = torch.zeros(2, 4 + 3, dtype=torch.long, device="meta")
+    with torch.inference_mode():
+        logits, hidden = static_forward(model, cache, inputs, 4, (0,), last_only=False)
+        last, _ = static_forward(model, cache, inputs, 4, (0,), last_only=True)
+    assert logits.shape == (2, 4, 64) and hidden.shape == (2, 4, 64) and last.shape == (2, 1, 64)
+    batch = ForwardBatch(inputs[:, :4], inputs[:, :4], inputs[:, :4], inputs[:, 6], None, [1, 1], 17, None)
+    with pytest.raises(NotImplementedError), torch.inference_mode():
+        model(batch, cache)
+
+
+def load_tiny(family: str, **overrides):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_checkpoint(save_tiny(tiny_hf_model(family, vocab_size=64, **overrides), Path(tmp))).model
+
+
+def clone_cache(cache):
+    copy = type(cache).__new__(type(cache))
+    copy.__dict__.update(cache.__dict__)
+    copy.k, copy.v = cache.k.clone(), cache.v.clone()
+    copy.lengths, copy._free = list(cache.lengths), list(cache._free)
+    return copy
+
+
+# ---- the engine through graphs (CPU stand-in) ------------------------------------------------
+
+
+def reference(target, prompts, params):
+    return [c.tokens for c in generate(target, prompts, params)]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_through_graphs_equals_target_only_for_every_k(pair, batch_size):
+    target, draft = pair
+    prompts = PROMPTS[:batch_size]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = reference(target, prompts, params)
+    for k in STEPS:
+        drafter = DraftModelDrafter(draft, batch_size, MAX_SEQ_LEN)
+        engine = Engine(target, drafter, batch_size, MAX_SEQ_LEN, STEPS, initial_steps=k, backend=FakeGraphBackend())
+        requests = [Request(tuple(p), params) for p in prompts]
+        outputs = engine.run_until_done(requests)
+        assert [outputs[r.id] for r in requests] == expected, f"k={k}"
+        assert engine.graph_runner.replays == engine.state.stats.rounds and engine.graph_runner.eager_runs == 0
+        if k:
+            assert engine.draft_graph_runner.replays > 0 and engine.state.stats.drafts_proposed > 0
+
+
+def test_states_own_their_graphs_and_switching_captures_nothing(pair):
+    target, draft = pair
+    drafter = DraftModelDrafter(draft, 4, MAX_SEQ_LEN)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, STEPS, backend=FakeGraphBackend())
+    buckets = default_batch_sizes(4)
+    for k, state in engine.states.items():
+        keys = set(state.graphs.graphs)
+        assert keys == {GraphKey(ForwardMode.VERIFY, k + 1, b) for b in buckets}
+    assert set(drafter.graphs.graphs) == {GraphKey(ForwardMode.DRAFT, w, b) for w in (1, 2) for b in buckets}
+    captured = engine.graph_captures
+    assert captured == len(STEPS) * len(buckets) + 2 * len(buckets)
+
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    expected = reference(target, PROMPTS, params)
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    for request in requests:
+        engine.add_request(request)
+    outputs = {r.id: [] for r in requests}
+    ks = iter(STEPS * 20)
+    while engine.has_work:
+        engine.select(next(ks))
+        for out in engine.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == expected
+    assert engine.graph_captures == captured
+    assert engine.graph_runner.replays > 0 and engine.draft_graph_runner.replays > 0
+
+
+def test_batches_beyond_the_largest_bucket_run_eagerly_and_stay_lossless(pair):
+    target, draft = pair
+    expected = reference(target, PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    drafter = DraftModelDrafter(draft, 4, MAX_SEQ_LEN)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, [3], backend=FakeGraphBackend(), graph_batch_sizes=[1, 2])
+    # Different lengths: four sequences run eagerly, and as they finish two or fewer fit the graphs.
+    lengths = (10, 20, 30, 40)
+    requests = [Request(tuple(p), SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS, lengths)]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == [full[:n] for full, n in zip(expected, lengths)]
+    assert engine.graph_runner.eager_runs > 0 and engine.graph_runner.replays > 0
+    assert engine.draft_graph_runner.eager_runs > 0 and engine.draft_graph_runner.replays > 0
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_sampled_requests_run_through_graphs_with_either_drafter(pair, kind):
+    target, draft = pair
+    drafter = DraftModelDrafter(draft, 2, MAX_SEQ_LEN) if kind == "draft_model" else NgramDrafter(1, 3)
+    engine = Engine(target, drafter, 2, MAX_SEQ_LEN, [0, 3], backend=FakeGraphBackend())
+    assert (engine.draft_graph_runner is None) == (kind == "ngram")
+    greedy = Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=30, ignore_eos=True))
+    sampled = Request(tuple(PROMPTS[1]), SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True))
+    outputs = engine.run_until_done([greedy, sampled])
+    assert outputs[greedy.id] == reference(target, [PROMPTS[0]], greedy.params)[0]
+    assert len(outputs[sampled.id]) == 30 and engine.graph_runner.replays > 0
+
+
+# ---- CUDA ----------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+CUDA_STEPS = (0, 1, 3, 5, 7)
+
+
+@pytest.fixture(scope="module")
+def default_pair_cuda(default_pair_available):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA device")
+    if not default_pair_available:
+        pytest.skip("the default models are not in models/")
+    # float32: graph and eager attention differ only in kernel choice and key count, so greedy
+    # ties cannot flip the comparison; bfloat16 is timed in bench/graphs.py.
+    return load_checkpoint(DEFAULT_TARGET, "cuda", "float32"), load_checkpoint(DEFAULT_DRAFT, "cuda", "float32")
+
+
+def code_requests(target, count: int, max_tokens: int) -> list[Request]:
+    from bench.prompts import code_prompts
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [Request(tuple(target.tokenizer.encode(p).ids[-200:]), params) for p in code_prompts(count, seed=3)]
+
+
+def cuda_engine(target, draft, batch_size: int, k: int, graphs: bool) -> Engine:
+    drafter = DraftModelDrafter(draft, batch_size, 512)
+    return Engine(target, drafter, batch_size, 512, [k], graphs=graphs)
+
+
+@needs_cuda
+def test_cuda_backend_is_selected_with_graphs():
+    backend = backend_for("cuda")
+    assert isinstance(backend, CudaBackend) and backend.supports_graphs and backend.allows_compile
+    assert backend.default_dtype == torch.bfloat16
+    assert backend.graph_pool() is backend.graph_pool()  # one pool for every capture
+    backend.synchronize()
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_cuda_graphs_greedy_equals_eager_for_every_k(default_pair_cuda, batch_size):
+    target, draft = default_pair_cuda
+    for k in CUDA_STEPS:
+        results = []
+        for graphs in (False, True):
+            engine = cuda_engine(target, draft, batch_size, k, graphs)
+            requests = code_requests(target, batch_size, 64)
+            outputs = engine.run_until_done(requests)
+            results.append([outputs[r.id] for r in requests])
+            if graphs:
+                assert engine.graph_runner.replays > 0 and engine.states[k].memory_bytes >= 0
+        assert results[1] == results[0], f"k={k} batch={batch_size}"
+
+
+@needs_cuda
+def test_cuda_switching_state_captures_nothing(default_pair_cuda):
+    target, draft = default_pair_cuda
+    engine = Engine(target, DraftModelDrafter(draft, 4, 512), 4, 512, CUDA_STEPS)
+    captured = engine.graph_captures
+    assert captured > 0
+    for request in code_requests(target, 4, 48):
+        engine.add_request(request)
+    ks = iter(CUDA_STEPS * 100)
+    while engine.has_work:
+        engine.select(next(ks))
+        engine.step()
+    assert engine.graph_captures == captured
+    assert engine.graph_runner.replays > 0 and engine.draft_graph_runner.replays > 0
+
+
+@needs_cuda
+def test_cuda_round_time_eager_against_graphs(default_pair_cuda):
+    """Not an assertion: bench/graphs.py is the measurement; this prints the same ratio."""
+    target, draft = default_pair_cuda
+    k = 3
+    times = {}
+    for graphs in (False, True):
+        engine = cuda_engine(target, draft, 1, k, graphs)
+        engine.run_until_done(code_requests(target, 1, 16))  # warm-up
+        stats = engine.state.stats
+        rounds, seconds = stats.rounds, stats.draft_seconds + stats.verify_seconds
+        engine.run_until_done(code_requests(target, 2, 96))
+        times[graphs] = (stats.draft_seconds + stats.verify_seconds - seconds) / (stats.rounds - rounds)
+    print(
+        f"\nk={k} batch 1 round: eager {times[False] * 1e3:.2f} ms, graphs {times[True] * 1e3:.2f} ms, "
+        f"{times[False] / times[True]:.2f}x"
+    )
