@@ -3,6 +3,8 @@
     python -m bench.spec --workload bench/workloads/transition.jsonl \\
         --modes none,static:1,static:3,static:7,adaptive:ema,adaptive:goodput \\
         [--concurrency N] [--config FILE] [--json OUT] [--plot OUT.png]
+    python -m bench.spec --workload bench/workloads/transition.jsonl --url http://127.0.0.1:8000 \\
+        [--concurrency N] [--json OUT]
 
 A workload is JSON Lines, one request per line: "prompt", "max_tokens", and optionally
 "temperature", "top_p", "top_k", "seed", "stop", "phase" (a free label the report breaks results
@@ -15,6 +17,13 @@ same loaded models, one after another in this process, so the ratios are measure
 A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
 per-phase seconds add up to the total; the per-phase oracle takes, for each phase, the fastest
 static mode.
+
+With --url the same workload goes through a running daemon's HTTP API (/v1/completions, one
+client thread per request in flight) and the report has one row, "server": whatever the daemon
+runs (restart it with another config to compare modes; bench/http_api.py does that). Tokens come
+from each response's usage, accepted drafts from its "adaspec" field, rounds by k and switches
+from /metrics. A phase's seconds are the wall time shared equally among the requests in flight
+at each moment.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import sys
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -161,6 +171,71 @@ def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurren
     return report
 
 
+def run_url(url: str, items: list[WorkItem], concurrency: int, timeout: float = 600.0) -> ModeReport:
+    """Serve `items` through the HTTP API at `url`: closed loop with `concurrency` clients, or open
+    loop when the workload has arrival times."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(client: httpx.Client) -> Counter[tuple[str, str]]:
+        """Rounds by k, and switches (of every reason) under k = ""."""
+        totals: Counter[tuple[str, str]] = Counter()
+        for family in text_string_to_metric_families(client.get("/metrics").raise_for_status().text):
+            for sample in family.samples:
+                if sample.name in ("adaspec_rounds_total", "adaspec_switches_total"):
+                    totals[sample.name, sample.labels.get("k", "")] += sample.value
+        return totals
+
+    report = ModeReport()
+    open_loop = any(i.arrival_s is not None for i in items)
+    with httpx.Client(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=len(items))) as client:
+        before = scrape(client)
+        started = time.perf_counter()
+
+        def serve(item: WorkItem) -> tuple[float, float, dict]:
+            if open_loop:
+                time.sleep(max(0.0, (item.arrival_s or 0.0) - (time.perf_counter() - started)))
+            sent = time.perf_counter() - started
+            body = client.post("/v1/completions", json=completion_body(item)).raise_for_status().json()
+            return sent, time.perf_counter() - started, body
+
+        with ThreadPoolExecutor(len(items) if open_loop else concurrency) as pool:
+            served = list(pool.map(serve, items))
+        report.seconds = time.perf_counter() - started
+        after = scrape(client)
+    for item, (_, _, body) in zip(items, served):
+        report.tokens += body["usage"]["completion_tokens"]
+        report.phase_tokens[item.phase] += body["usage"]["completion_tokens"]
+        report.verified += body["adaspec"]["rounds"]
+        report.accepted += body["adaspec"]["accepted_drafts"]
+    report.phase_seconds.update(share_by_phase([(sent, done, i.phase) for i, (sent, done, _) in zip(items, served)]))
+    for (name, k), value in after.items():
+        moved = round(value - before[name, k])
+        if name == "adaspec_rounds_total" and moved:
+            report.k_rounds[int(k)] += moved
+        elif name == "adaspec_switches_total":
+            report.switches += moved
+    return report
+
+
+def completion_body(item: WorkItem) -> dict:
+    params = item.params
+    body = {"prompt": item.prompt, "max_tokens": params.max_tokens, "temperature": params.temperature}
+    body |= {"top_p": params.top_p, "top_k": params.top_k, "seed": params.seed, "stop": list(params.stop) or None}
+    return body
+
+
+def share_by_phase(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Wall time per phase: each moment is shared equally among the requests in flight then."""
+    seconds: dict[str, float] = defaultdict(float)
+    moments = sorted({t for start, end, _ in spans for t in (start, end)})
+    for a, b in zip(moments, moments[1:]):
+        live = [phase for start, end, phase in spans if start <= a and end >= b]
+        for phase in live:
+            seconds[phase] += (b - a) / len(live)
+    return seconds
+
+
 def print_table(reports: dict[str, ModeReport]) -> None:
     baseline = reports.get("none")
     phases = sorted({p for r in reports.values() for p in r.phase_tokens})
@@ -232,10 +307,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--url", default=None, help="a running daemon's HTTP API instead of in-process modes")
     args = parser.parse_args(argv)
 
-    settings = bench_settings(args)
     items = read_workload(args.workload)
+    if args.url:
+        if args.plot:
+            parser.error("--plot needs the in-process modes: the HTTP API reports no per-round timeline")
+        print(f"workload {args.workload} ({len(items)} requests) through {args.url}, concurrency {args.concurrency}")
+        reports = {"server": run_url(args.url, items, args.concurrency)}
+        print_table(reports)
+        if args.json:
+            args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
+        return
+
+    settings = bench_settings(args)
     target = load_checkpoint(settings["target"])
     drafter_kind = settings["drafter"]
     draft = load_checkpoint(settings["draft"]) if drafter_kind == "draft_model" else None

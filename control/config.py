@@ -89,6 +89,8 @@ class AdminSettings:
 class ServerSettings:
     host: str
     port: int
+    model_name: str | None
+    max_queue: int
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,10 @@ SCHEMA: Mapping[str, Section] = {
     }),
     "server": Section(ServerSettings, live=False, doc="the HTTP API", keys={
         "host": Key("str", "127.0.0.1", "address the HTTP API listens on"),
-        "port": Key("int", 8000, "TCP port of the HTTP API", lo=1, hi=65535),
+        "port": Key("int", 8000, "TCP port of the HTTP API; 0 = any free port", lo=0, hi=65535),
+        "model_name": Key("str", None, "model id the API serves; default: the target directory's name"),
+        "max_queue": Key("int", 64, "requests waiting beyond max_batch_size before new ones get 503", lo=0,
+                         hi=100000),
     }),
     "logging": Section(LoggingSettings, live=True, doc="log output", keys={
         "level": Key("str", "info", "least severe level written", choices=("debug", "info", "warning", "error")),

@@ -1,9 +1,10 @@
 """The daemon's lifecycle: start, serve, reload, stop.
 
-One anyio task group holds everything that runs: the admin socket server, the config watcher,
-signal handling, and the watchdog/status reporter. The engine runs on its own thread (a thread
-cannot be cancelled, so it is stopped with a message and joined). READY=1 is sent only once
-every runtime state is built and every listener is bound.
+One anyio task group holds everything that runs: the admin socket server, the HTTP API, the
+config watcher, signal handling, and the watchdog/status reporter. The engine runs on its own
+thread (a thread cannot be cancelled, so it is stopped with a message and joined). READY=1 is
+sent only once every runtime state is built and every listener is bound. On SIGTERM the HTTP API
+answers new requests with 503 while in-flight ones finish, then stops listening.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from watchfiles import Change, awatch
 
 from control.admin import serve_admin
 from control.config import ConfigSnapshot
+from daemon.chat import ChatTemplate
 from daemon.commands import AdminCommands
+from daemon.http import HttpServer, OpenAIApi
+from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.reload import Reloader
 from daemon.runtime import build_engine
@@ -49,7 +53,12 @@ class Daemon:
         self.notifier.extend_timeout(START_TIMEOUT_EXTENSION_S)
         self.notifier.status("loading models and building runtime states")
         log.info("starting", config=str(self.config_path), generation=self.snapshot.generation, pid=os.getpid())
-        loop = await anyio.to_thread.run_sync(build_engine, self.snapshot, self._progress)
+        metrics = Metrics(self.snapshot.engine.max_steps)
+        loop = await anyio.to_thread.run_sync(
+            partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch),
+            self.snapshot,
+            self._progress,
+        )
         self.loop = loop
         states = {s.k: round(s.build_seconds, 4) for s in loop.engine.states.values()}
         log.info("runtime states built", build_seconds=states)
@@ -57,6 +66,10 @@ class Daemon:
         self.thread.start()
         reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
         commands = AdminCommands(loop, reloader, self.started)
+        metrics.watch(loop, reloader)
+        api = self._api(loop, metrics)
+        server = self.snapshot.server
+        http = HttpServer(api.app, server.host, server.port)
         admin = self.snapshot.admin
 
         async with anyio.create_task_group() as tg:
@@ -72,14 +85,27 @@ class Daemon:
                     max_connections=admin.max_connections,
                 )
             )
+            commands.http = await tg.start(http.serve)
             tg.start_soon(self._watch_config, reloader)
             tg.start_soon(self._report, reloader)
             self.notifier.ready()
-            log.info("ready", admin_socket=str(admin.socket), steps=loop.controller.steps)
+            api.ready = True
+            log.info("ready", admin_socket=str(admin.socket), http=commands.http, steps=loop.controller.steps)
             await self.stopping.wait()
             await self._drain()
+            await http.close()
             tg.cancel_scope.cancel()
         return await self._stop_engine()
+
+    def _api(self, loop: EngineLoop, metrics: Metrics) -> OpenAIApi:
+        target = self.snapshot.engine.target
+        return OpenAIApi(
+            loop,
+            metrics,
+            model=self.snapshot.server.model_name or target.name,
+            max_queue=self.snapshot.server.max_queue,
+            chat_template=ChatTemplate.from_checkpoint(target),
+        )
 
     def _progress(self, message: str) -> None:
         self.notifier.extend_timeout(START_TIMEOUT_EXTENSION_S)

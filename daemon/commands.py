@@ -34,6 +34,7 @@ class AdminCommands:
         self.controller = loop.controller
         self.reloader = reloader
         self.started = started or time.time()
+        self.http: str | None = None  # the HTTP API's bound "host:port", once it listens
         self._commands: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "status": self.status,
             "pin": self.pin,
@@ -84,6 +85,7 @@ class AdminCommands:
             "mean_accepted_drafts": round(stats.mean_accepted_drafts, 4),
             "running": len(engine.running),
             "in_flight": self.loop.in_flight,
+            "http": self.http,
             "uptime_s": round(time.time() - self.started, 3),
         }
 

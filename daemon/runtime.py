@@ -7,10 +7,10 @@ from dataclasses import replace
 
 from control.config import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.controller import Controller
+from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
 from engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
-from engine.loop import EngineLoop
+from engine.loop import EngineLoop, StepObserver
 
 
 def required_steps(snapshot: ConfigSnapshot) -> tuple[int, ...]:
@@ -34,8 +34,16 @@ def build_drafter(snapshot: ConfigSnapshot, progress: Callable[[str], None]) -> 
     return DraftModelDrafter(draft, engine.max_batch_size, engine.max_seq_len)
 
 
-def build_engine(snapshot: ConfigSnapshot, progress: Callable[[str], None] = lambda _: None) -> EngineLoop:
-    """Load the models and build every runtime state the config names (slow: run in a thread)."""
+def build_engine(
+    snapshot: ConfigSnapshot,
+    progress: Callable[[str], None] = lambda _: None,
+    *,
+    on_step: StepObserver | None = None,
+    on_switch: SwitchObserver | None = None,
+) -> EngineLoop:
+    """Load the models and build every runtime state the config names (slow: run in a thread).
+
+    `on_step` and `on_switch` observe every round and every change of k, on the engine thread."""
     settings = snapshot.engine
     progress(f"loading target {settings.target}")
     target: Checkpoint = load_checkpoint(
@@ -61,7 +69,7 @@ def build_engine(snapshot: ConfigSnapshot, progress: Callable[[str], None] = lam
     adaptive = snapshot.adaptive
     if drafter is None:
         plain = replace(adaptive.policy, candidate_steps=(0,), slots=())
-        controller = Controller(engine, plain, adaptive=False, static_steps=0)
+        controller = Controller(engine, plain, adaptive=False, static_steps=0, on_switch=on_switch)
     else:
         controller = Controller(
             engine,
@@ -69,5 +77,6 @@ def build_engine(snapshot: ConfigSnapshot, progress: Callable[[str], None] = lam
             adaptive=adaptive.enabled,
             static_steps=adaptive.static_steps,
             initial_steps=adaptive.initial_steps,
+            on_switch=on_switch,
         )
-    return EngineLoop(controller)
+    return EngineLoop(controller, on_step=on_step)

@@ -13,6 +13,7 @@ and applied only between steps, and each is acknowledged with the round at which
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class Force:
 
 
 Message = SetParams | Pin | Unpin | Force
+SwitchObserver = Callable[[int, int, str], None]  # (from k, to k, reason)
 
 
 class Controller:
@@ -64,8 +66,10 @@ class Controller:
         adaptive: bool = True,
         static_steps: int | None = None,
         initial_steps: int | None = None,
+        on_switch: SwitchObserver | None = None,
     ) -> None:
         self.engine = engine
+        self.on_switch = on_switch  # called on the engine thread after every switch (metrics)
         self.params = params
         self.policy: Policy = make_policy(params, initial_steps)
         self.mode = "adaptive" if adaptive else "static"
@@ -174,8 +178,10 @@ class Controller:
             return
         ema = round(self.policy.ema, 4)
         log.info("switch", **{"from": self._steps, "to": k}, ema=ema, reason=reason, round=self.engine.round)
-        self._steps = k
+        previous, self._steps = self._steps, k
         self.switches += 1
+        if self.on_switch is not None:
+            self.on_switch(previous, k, reason)
 
     def step(self) -> StepResult:
         """Apply queued control messages, then run one round with the chosen state."""

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import structlog
 
 from engine.controller import Controller
-from engine.core import SequenceOutput
+from engine.core import SequenceOutput, StepResult
 from engine.request import Request
 
 log = structlog.get_logger("adaspec.engine")
 
 OutputCallback = Callable[[SequenceOutput], None]
+StepObserver = Callable[[StepResult], None]
 
 
 @dataclass
@@ -38,8 +39,9 @@ class LoopStats:
 
 
 class EngineLoop:
-    def __init__(self, controller: Controller, idle_wait: float = 0.05) -> None:
+    def __init__(self, controller: Controller, idle_wait: float = 0.05, on_step: StepObserver | None = None) -> None:
         self.controller = controller
+        self.on_step = on_step  # called on the engine thread with every StepResult (metrics)
         self.engine = controller.engine
         self.idle_wait = idle_wait
         self.stats = LoopStats(started=time.time())
@@ -81,6 +83,11 @@ class EngineLoop:
             self._draining = True
 
     @property
+    def draining(self) -> bool:
+        with self._lock:
+            return self._draining
+
+    @property
     def in_flight(self) -> int:
         with self._lock:
             return len(self._callbacks)
@@ -110,6 +117,11 @@ class EngineLoop:
         started = time.perf_counter()
         result = self.controller.step()
         seconds = time.perf_counter() - started
+        if self.on_step is not None:  # before the callbacks: a client that has its tokens sees them counted
+            try:
+                self.on_step(result)
+            except Exception:
+                log.exception("step observer failed")
         tokens = 0
         for out in result.outputs:
             tokens += len(out.new_tokens)

@@ -26,7 +26,7 @@ CONFIG = """\
 [engine]
 target = "{target}"
 draft = "{draft}"
-max_batch_size = 2
+max_batch_size = {max_batch_size}
 max_seq_len = 512
 
 [adaptive]
@@ -37,6 +37,10 @@ ema_alpha = 0.2
 [admin]
 socket = "{socket}"
 idle_timeout_s = 1.0
+
+[server]
+port = 0  # several daemons run at once: each on a free port, read back from `adaspecctl status`
+{server}
 
 [logging]
 level = "info"
@@ -77,6 +81,11 @@ class Daemon:
         assert code == 0, result
         return result
 
+    @property
+    def url(self) -> str:
+        """The HTTP API's base URL."""
+        return f"http://{self.status()['http']}"
+
     def events(self, name: str | None = None) -> list[dict]:
         found = []
         for line in self.log.read_text().splitlines():
@@ -103,11 +112,16 @@ class Daemon:
         raise AssertionError(f"timed out waiting for {what}\n{self.log.read_text()[-3000:]}")
 
 
-def start_daemon(folder: Path) -> Daemon:
+def start_daemon(folder: Path, *, max_batch_size: int = 2, server: str = "") -> Daemon:
+    """Start the daemon on the default models; `server`: extra lines for its [server] section."""
     run_dir = folder / "run"
     config = folder / "config.toml"
     sock = run_dir / "admin.sock"
-    config.write_text(CONFIG.format(target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, socket=sock))
+    config.write_text(
+        CONFIG.format(
+            target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, socket=sock, max_batch_size=max_batch_size, server=server
+        )
+    )
     notify_path = folder / "notify.sock"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
@@ -165,6 +179,7 @@ def test_ready_then_status_shows_the_running_state(daemon):
     assert [s["k"] for s in status["runtime_states"]] == [1, 3, 7]
     assert all(s["build_seconds"] > 0 for s in status["runtime_states"])
     assert status["last_reload"]["ok"] is True
+    assert status["http"].startswith("127.0.0.1:") and not status["http"].endswith(":0")
     assert oct(daemon.socket.stat().st_mode & 0o777) == "0o600"
 
 

@@ -1,0 +1,134 @@
+"""Tokens/s through the HTTP API: the adaptive policy against each static k, at 1, 4 and 16 clients.
+
+    python -m bench.http_api [--workload bench/workloads/transition.jsonl] [--requests N]
+        [--concurrency 1,4,16] [--steps 1,3,7] [--max-batch-size 16] [--json OUT]
+
+One daemon per configuration, started on a free port and stopped after its runs: first the
+shipped defaults (adaptive, with the default strategy), then [adaptive] enabled = false with
+static_steps = K for each K. Each serves the same workload at every concurrency through
+`bench.spec.run_url` (closed loop: N clients, the next request sent as one finishes).
+engine.max_batch_size is 16 by default so that 16 clients decode together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from bench.spec import ROOT, ModeReport, WorkItem, read_workload, run_url
+
+CONFIG = """\
+[engine]
+target = "{root}/models/target"
+draft = "{root}/models/draft"
+max_batch_size = {max_batch_size}
+
+[adaptive]
+{adaptive}
+
+[admin]
+socket = "{folder}/admin.sock"
+
+[server]
+port = 0
+
+[logging]
+format = "json"
+"""
+START_TIMEOUT_S = 180
+
+
+@contextmanager
+def daemon(adaptive: str, max_batch_size: int) -> Iterator[str]:
+    """A daemon whose [adaptive] section is `adaptive`; yields its HTTP API's URL."""
+    folder = Path(tempfile.mkdtemp(prefix="adaspec-bench-", dir="/tmp"))  # AF_UNIX paths must stay short
+    config = folder / "config.toml"
+    config.write_text(CONFIG.format(root=ROOT, folder=folder, adaptive=adaptive, max_batch_size=max_batch_size))
+    log = folder / "daemon.log"
+    command = [sys.executable, "-m", "daemon.cli", "--config", str(config)]
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        yield f"http://{_ready_address(process, log)}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def _ready_address(process: subprocess.Popen, log: Path) -> str:
+    """The HTTP address in the daemon's "ready" event (it is sent once every listener is bound)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("{") and (event := json.loads(line)).get("event") == "ready":
+                return event["http"]
+        if process.poll() is not None:
+            raise SystemExit(f"the daemon exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise SystemExit(f"the daemon was not ready within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def measure(adaptive: str, items: list[WorkItem], concurrencies: list[int], max_batch_size: int) -> list[ModeReport]:
+    with daemon(adaptive, max_batch_size) as url:
+        # Warm up (first forwards at each batch shape) without charging any measured run for it.
+        warm = [replace(item, params=replace(item.params, max_tokens=8)) for item in items[: max(concurrencies)]]
+        run_url(url, warm, max(concurrencies))
+        return [run_url(url, items, concurrency) for concurrency in concurrencies]
+
+
+def rate(report: ModeReport) -> float:
+    return report.tokens / report.seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", type=Path, default=ROOT / "bench" / "workloads" / "transition.jsonl")
+    parser.add_argument("--requests", type=int, default=None, help="only the first N requests of the workload")
+    parser.add_argument("--concurrency", default="1,4,16", help="numbers of clients, comma-separated")
+    parser.add_argument("--steps", default="1,3,7", help="the static k to compare with, comma-separated")
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    items = read_workload(args.workload)[: args.requests]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    modes = {"adaptive": ""} | {f"static:{k}": f"enabled = false\nstatic_steps = {k}" for k in args.steps.split(",")}
+    print(f"workload {args.workload}: {len(items)} requests, concurrency {concurrencies}", file=sys.stderr)
+    results: dict[str, list[ModeReport]] = {}
+    for mode, adaptive in modes.items():
+        results[mode] = measure(adaptive, items, concurrencies, args.max_batch_size)
+        print(f"  {mode}: " + ", ".join(f"{rate(r):.1f}" for r in results[mode]) + " tok/s", file=sys.stderr)
+
+    statics = [m for m in modes if m != "adaptive"]
+    print(f"{'clients':>7} " + " ".join(f"{m:>10}" for m in modes) + f" {'best static':>12} {'adaptive/best':>13}")
+    for i, concurrency in enumerate(concurrencies):
+        best = max(statics, key=lambda m: rate(results[m][i]))
+        adaptive = results["adaptive"][i]
+        print(
+            f"{concurrency:>7} "
+            + " ".join(f"{rate(results[m][i]):>10.1f}" for m in modes)
+            + f" {best:>12} {rate(adaptive) / rate(results[best][i]):>13.3f}"
+        )
+    for i, concurrency in enumerate(concurrencies):
+        adaptive = results["adaptive"][i]
+        rounds = " ".join(f"k={k}:{n}" for k, n in sorted(adaptive.k_rounds.items()))
+        print(
+            f"  adaptive at {concurrency} clients: {adaptive.accepted / max(adaptive.verified, 1):.2f} accepted "
+            f"drafts per round, {adaptive.switches} switches, rounds by k: {rounds}"
+        )
+    if args.json:
+        out = {m: {str(c): r.as_json() for c, r in zip(concurrencies, reports)} for m, reports in results.items()}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

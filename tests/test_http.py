@@ -1,0 +1,310 @@
+"""The OpenAI-compatible HTTP API and /metrics of the daemon as a real subprocess on the default
+models, through the official `openai` client and plain httpx.
+
+No generated text is written down here: greedy output must equal target-only decoding
+(`engine.generate.generate`) of the same checkpoint, decoded the same way. Requests that must
+still be running a moment later ask for `ignore_eos` (a vLLM-style extension) and many tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.chat import ChatTemplate, ChatTemplateError
+from daemon.text import TextStream
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.generate import generate
+from engine.sampling import SamplingParams
+from tests.conftest import DEFAULT_TARGET
+from tests.test_daemon import Daemon, start_daemon, stop_daemon
+
+MODEL = DEFAULT_TARGET.name
+PROMPT = "def fibonacci(n):"
+MESSAGES = [
+    {"role": "system", "content": "You write short Python functions."},
+    {"role": "user", "content": "Compute the n-th Fibonacci number."},
+]
+MAX_TOKENS = 12
+LONG = 480  # with the daemon's max_seq_len of 512: a request that is still running moments later
+STATE_METRICS = (
+    "adaspec_steps",
+    "adaspec_requests_in_flight",
+    "adaspec_config_generation",
+    "adaspec_config_reload_failures_total",
+    "adaspec_runtime_state_build_seconds",
+    "adaspec_runtime_state_memory_bytes",
+)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = start_daemon(Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")), max_batch_size=4)
+    yield d
+    stop_daemon(d)
+
+
+@pytest.fixture(scope="module")
+def url(daemon: Daemon) -> str:
+    return daemon.url
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def target() -> Checkpoint:
+    return load_checkpoint(DEFAULT_TARGET)
+
+
+def reference(target: Checkpoint, prompt: list[int], max_tokens: int) -> tuple[str, str, int]:
+    """Target-only greedy text, finish reason and token count."""
+    (completion,) = generate(target, [prompt], SamplingParams(max_tokens=max_tokens))
+    return target.tokenizer.decode(completion.tokens), completion.finish_reason, len(completion.tokens)
+
+
+def chat_prompt(target: Checkpoint) -> list[int]:
+    template = ChatTemplate.from_checkpoint(DEFAULT_TARGET)
+    return target.tokenizer.encode(template.render(MESSAGES), add_special_tokens=not template.adds_special_tokens).ids
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, parsed by prometheus_client, by (name, sorted labels)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None, param: str | None = None) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["param"] == param and error["message"]
+    return error["message"]
+
+
+def test_health_models_and_the_address_in_admin_status(daemon, url):
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert url.endswith(daemon.status()["http"])
+    assert any(e.get("address") == daemon.status()["http"] for e in daemon.events("http listening"))
+
+
+def test_completions_equal_target_only_greedy_output(client, target):
+    prompt = target.tokenizer.encode(PROMPT).ids
+    text, reason, tokens = reference(target, prompt, MAX_TOKENS)
+
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].text == text and response.choices[0].finish_reason == reason
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), tokens)
+    stats = response.to_dict()["adaspec"]
+    assert set(stats) == {"rounds", "accepted_drafts", "proposed_drafts", "steps"}
+    assert 0 <= stats["accepted_drafts"] <= stats["proposed_drafts"]
+
+    usage = {"include_usage": True}
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options=usage
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
+    assert chunks[-1].usage.completion_tokens == tokens and "adaspec" in chunks[-1].to_dict()
+
+
+def test_chat_completions_equal_target_only_greedy_output(client, target):
+    text, reason, tokens = reference(target, chat_prompt(target), MAX_TOKENS)
+
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    message = response.choices[0].message
+    assert message.role == "assistant" and message.content == text
+    assert response.choices[0].finish_reason == reason and response.usage.completion_tokens == tokens
+    assert "adaspec" in response.to_dict()
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == reason and "adaspec" in chunks[-1].to_dict()
+
+
+def test_a_stop_string_ends_the_text_before_it(client, target):
+    text, _, _ = reference(target, target.tokenizer.encode(PROMPT).ids, 24)
+    if len(text) < 4:
+        pytest.skip("the default model ends this prompt too soon to pick a stop string from its output")
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    expected = text[: text.find(stop)]
+
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+
+def test_sixteen_concurrent_streaming_clients_all_complete(daemon, client):
+    def stream(i: int) -> tuple[str, str | None]:
+        chunks = list(client.completions.create(model=MODEL, prompt=f"{PROMPT}  # {i}", max_tokens=6, stream=True))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    with ThreadPoolExecutor(16) as pool:  # max_batch_size is 4: most of them queue
+        results = list(pool.map(stream, range(16)))
+    assert all(reason in ("stop", "length") for _, reason in results)
+    daemon.wait_for(lambda: daemon.status()["in_flight"] == 0, 10, "in_flight to return to 0")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "x", ', 400, "invalid_json", None),
+        ("/v1/completions", b'["x"]', 400, "invalid_body", None),
+        ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "unsupported_value", "n"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "unsupported_value", "logprobs"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, None, "temperature"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model_not_found", "model"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{}]}, 400, "unsupported_value", "tools"),
+        ("/v1/chat/completions", {"messages": []}, 400, None, "messages"),
+    ],
+    ids=[
+        "malformed-json",
+        "not-an-object",
+        "unknown-field",
+        "n=2",
+        "logprobs",
+        "temperature",
+        "wrong-model",
+        "tools",
+        "no-messages",
+    ],
+)
+def test_bad_requests_get_openai_errors(url, path, body, status, code, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    assert_openai_error(httpx.post(f"{url}{path}", **kwargs), status, code, param)
+
+
+def test_max_tokens_past_the_context_names_the_numbers(url, client):
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 600})
+    message = assert_openai_error(response, 400, "context_length_exceeded", "max_tokens")
+    assert "512" in message and "600" in message
+    with pytest.raises(openai.BadRequestError):  # the client raises the error type for the status
+        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x")
+
+
+def test_a_client_that_disconnects_has_its_request_cancelled(daemon, url):
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+    before = daemon.status()["tokens"]
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as response:
+        assert next(response.iter_lines()).startswith("data: ")  # generating: now hang up
+    daemon.wait_for(lambda: daemon.status()["in_flight"] == 0, 10, "the streamed request to be cancelled")
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    daemon.wait_for(lambda: daemon.status()["in_flight"] == 0, 10, "the non-streamed request to be cancelled")
+    assert daemon.status()["tokens"] - before < 2 * LONG  # neither ran to its end
+    assert total(metrics(url), "adaspec_http_requests_total", status="499") >= 1
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_parse_and_move_with_requests(url, client):
+    before = metrics(url)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    after = metrics(url)
+
+    def moved(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert moved("adaspec_http_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert moved("adaspec_http_request_duration_seconds_count", endpoint="/v1/completions") == 1
+    assert moved("adaspec_time_to_first_token_seconds_count") == 1
+    assert moved("adaspec_generated_tokens_total") == response.usage.completion_tokens
+    assert moved("adaspec_rounds_total") == response.to_dict()["adaspec"]["rounds"]
+    assert moved("adaspec_accepted_drafts_count") == response.to_dict()["adaspec"]["rounds"]
+    assert set(STATE_METRICS) <= {name for name, _ in after}
+    assert total(after, "adaspec_steps") in {1, 3, 7}
+
+
+def test_text_stream_never_splits_a_character_nor_sends_part_of_a_stop_string(target):
+    tokens = target.tokenizer.encode("naïve café: 世界, déjà vu. END of story").ids
+    full = target.tokenizer.decode(tokens)
+    for stop in ((), ("END",), ("ZZZ", "vu.")):
+        expected = full[: min([full.find(s) for s in stop if s in full], default=len(full))]
+        stream, sent = TextStream(target.tokenizer, stop), ""
+        for i, token in enumerate(tokens):  # one token per step, as speculation with k = 0 emits them
+            sent += stream.push([token], final=i == len(tokens) - 1)
+            assert expected.startswith(sent)  # nothing sent is ever taken back
+        assert sent == expected == stream.text
+
+
+def test_chat_template_from_the_checkpoint_or_the_plain_fallback(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ChatTemplate.from_checkpoint(tmp_path).render(messages) == "system: Be brief.\nuser: Hi\nassistant: "
+    source = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+        "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    config = {"chat_template": source, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.from_checkpoint(tmp_path)
+    assert template.render(messages) == "<s><|system|>Be brief.\n<|user|>Hi\n<|assistant|>"
+    assert template.adds_special_tokens
+    with pytest.raises(ChatTemplateError, match="no tools"):
+        template.render([{"role": "tool", "content": "x"}])
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[Daemon]:
+    """One sequence at a time and no queue: a second request in flight is one too many."""
+    d = start_daemon(Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")), max_batch_size=1, server="max_queue = 0")
+    yield d
+    stop_daemon(d)
+
+
+def test_requests_beyond_capacity_get_503_with_retry_after(small):
+    url = small.url
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()  # kept: an abandoned iterator closes the connection
+        assert next(lines).startswith("data: ")  # the one slot is taken
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert_openai_error(refused, 503, "overloaded")
+        assert refused.json()["error"]["type"] == "server_error" and int(refused.headers["Retry-After"]) >= 1
+    small.wait_for(lambda: small.status()["in_flight"] == 0, 10, "the slot to be freed")
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_sigterm_refuses_new_requests_and_lets_in_flight_ones_finish(small):
+    url = small.url
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        small.process.send_signal(signal.SIGTERM)
+        small.wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 5, "/health to report draining")
+        assert httpx.get(f"{url}/health").json() == {"status": "draining"}
+        assert_openai_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 503, "draining")
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+    assert small.process.wait(30) == 0
