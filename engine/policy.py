@@ -214,38 +214,71 @@ def _drop_threshold(lower: int) -> float:
 
 
 @dataclass
+class LinearFit:
+    """y = a + b * x fitted to exponentially weighted observations (recent rounds count most)."""
+
+    decay: float = 0.98
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def predict(self, x: float) -> float | None:
+        if self.n == 0:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var <= 1e-6 * max(mx * mx, 1.0):
+            return my  # one x seen so far: no slope to go on yet
+        slope = max(0.0, (self.sxy / self.n - mx * my) / var)  # more tokens never cost less
+        return max(my + slope * (x - mx), 0.0)
+
+
+@dataclass
 class CostModel:
-    """Measured seconds per round, by step count and batch size, smoothed."""
+    """What a round costs: measured where this (k, batch size) has run, fitted elsewhere.
+
+    Verify time is fitted against the tokens the target processes (batch * (k + 1)); draft time
+    per step against the batch size. A batch of 16 on a CPU pays for 8 verify tokens each as it
+    pays for one at batch 1 only while the matrix products stay memory-bound: the fit learns
+    where that stops from the rounds it sees.
+    """
 
     smoothing: float = 0.2
     verify: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, batch) -> seconds
-    draft_per_step: dict[int, float] = field(default_factory=dict)  # batch -> seconds per draft step
+    samples: dict[tuple[int, int], int] = field(default_factory=dict)
+    verify_fit: LinearFit = field(default_factory=LinearFit)
+    draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
 
     def record(self, observation: Observation) -> None:
         key = (observation.k, observation.batch_size)
-        self.verify[key] = self._mix(self.verify.get(key), observation.verify_seconds)
+        old = self.verify.get(key)
+        seconds = observation.verify_seconds
+        self.verify[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self.samples[key] = self.samples.get(key, 0) + 1
+        self.verify_fit.add(observation.batch_size + sum(observation.proposed), seconds)
         steps = max(observation.proposed, default=0)
         if steps > 0:
-            b = observation.batch_size
-            self.draft_per_step[b] = self._mix(self.draft_per_step.get(b), observation.draft_seconds / steps)
-
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+            self.draft_fit.add(observation.batch_size, observation.draft_seconds / steps)
 
     def round_seconds(self, k: int, batch_size: int) -> float | None:
-        verify = self.verify.get((k, batch_size))
+        key = (k, batch_size)
+        if self.samples.get(key, 0) >= 3:
+            verify = self.verify[key]
+        else:
+            verify = self.verify_fit.predict(batch_size * (k + 1))
         if verify is None:
-            # Verify cost grows slowly with width: borrow the nearest measured k at this batch size.
-            measured = [(abs(kk - k), s) for (kk, b), s in self.verify.items() if b == batch_size]
-            if not measured:
-                return None
-            verify = min(measured)[1]
+            return None
         if k == 0:
             return verify
-        per_step = self.draft_per_step.get(batch_size)
-        if per_step is None:
-            return None
-        return verify + k * per_step
+        per_step = self.draft_fit.predict(batch_size)
+        return None if per_step is None else verify + k * per_step
 
 
 class GoodputPolicy:
@@ -254,10 +287,10 @@ class GoodputPolicy:
     Acceptance is estimated per chain position: a[j] = P(draft j kept | drafts before it kept),
     each an EMA over rounds, so a draft that is good for two tokens and then wanders is seen as
     such. Expected tokens of a round with k drafts: E(k) = 1 + sum_i prod_{j<i} a[j] (positions
-    never measured reuse the deepest measured rate). Round cost comes from the rounds actually run
-    at this batch size; a k whose cost is still unknown is tried once when its estimate is the
-    best. k = 0 is chosen when no k > 0 beats plain decoding; from there the smallest k > 0 is
-    probed every `probe_interval` rounds.
+    never measured follow the deepest measured rate). Round cost comes from `CostModel`: measured
+    for the (k, batch size) pairs that have run, fitted for the others, so the best k shrinks as
+    the batch grows. k = 0 is chosen when no k > 0 beats plain decoding; from there the smallest
+    k > 0 is probed every `probe_interval` rounds.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -340,23 +373,12 @@ class GoodputPolicy:
 
     def _choose(self, batch_size: int) -> Decision | None:
         estimates = {k: self.goodput(k, batch_size) for k in self.candidates}
-        self.last_goodput = {k: v for k, v in estimates.items() if v is not None}
-        current = estimates.get(self._steps)
+        known = {k: v for k, v in estimates.items() if v is not None}
+        self.last_goodput = known
+        current = known.get(self._steps)
         if current is None:
             return None
-        known = {k: v for k, v in estimates.items() if v is not None}
         best = max(known, key=lambda k: known[k])
-        unknown = [k for k, v in estimates.items() if v is None and k != 0]
-        if unknown:
-            # Price an unmeasured k from the current one's draft and verify costs to decide
-            # whether it is worth one trial.
-            per_step = self.costs.draft_per_step.get(batch_size, 0.0)
-            verify = self.costs.round_seconds(self._steps, batch_size) - self._steps * per_step
-            guesses = {k: self.expected_tokens(k) * batch_size / (verify + k * per_step) for k in unknown}
-            guess = max(guesses, key=lambda k: guesses[k])
-            if guesses[guess] > known[best] * (1 + self.params.switch_margin):
-                best = guess
-                known[best] = guesses[guess]
         if best == self._steps or known[best] <= current * (1 + self.params.switch_margin):
             return None
         self._steps = best
