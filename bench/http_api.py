@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.spec import ROOT, ModeReport, WorkItem, read_workload, run_url
@@ -47,9 +47,17 @@ format = "json"
 START_TIMEOUT_S = 180
 
 
+@dataclass(frozen=True)
+class RunningDaemon:
+    url: str  # the HTTP API
+    config: Path
+    socket: Path  # the admin socket
+    log: Path
+
+
 @contextmanager
-def daemon(adaptive: str, max_batch_size: int) -> Iterator[str]:
-    """A daemon whose [adaptive] section is `adaptive`; yields its HTTP API's URL."""
+def daemon(adaptive: str, max_batch_size: int) -> Iterator[RunningDaemon]:
+    """A daemon whose [adaptive] section is `adaptive`, serving on a free port."""
     folder = Path(tempfile.mkdtemp(prefix="adaspec-bench-", dir="/tmp"))  # AF_UNIX paths must stay short
     config = folder / "config.toml"
     config.write_text(CONFIG.format(root=ROOT, folder=folder, adaptive=adaptive, max_batch_size=max_batch_size))
@@ -58,7 +66,7 @@ def daemon(adaptive: str, max_batch_size: int) -> Iterator[str]:
     with log.open("w") as stderr:
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        yield f"http://{_ready_address(process, log)}"
+        yield RunningDaemon(f"http://{_ready_address(process, log)}", config, folder / "admin.sock", log)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(60)
@@ -78,7 +86,8 @@ def _ready_address(process: subprocess.Popen, log: Path) -> str:
 
 
 def measure(adaptive: str, items: list[WorkItem], concurrencies: list[int], max_batch_size: int) -> list[ModeReport]:
-    with daemon(adaptive, max_batch_size) as url:
+    with daemon(adaptive, max_batch_size) as running:
+        url = running.url
         # Warm up (first forwards at each batch shape) without charging any measured run for it.
         warm = [replace(item, params=replace(item.params, max_tokens=8)) for item in items[: max(concurrencies)]]
         run_url(url, warm, max(concurrencies))
