@@ -33,6 +33,12 @@ class ForwardBatch:
     kv_len: int  # how many cache positions attention reads
     mask: Tensor | None  # [B, 1, T, kv_len], True where a key is visible; None when all are
 
+    @property
+    def slot_list(self) -> list[int]:
+        if self.slot_start is not None:  # no device read-back on the common path
+            return list(range(self.slot_start, self.slot_start + len(self.num_new)))
+        return self.slots.tolist()
+
     @classmethod
     def build(
         cls,
@@ -229,10 +235,10 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Run the new tokens of `batch`, appending them to `cache`, and return their logits."""
         x, hidden = self.run_layers(batch, cache, capture)
-        if last_only:
+        if last_only and x.shape[1] > 1:
             last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        for slot, n in zip(batch.slots.tolist(), batch.num_new):
+        for slot, n in zip(batch.slot_list, batch.num_new):
             cache.lengths[slot] += n
         return ForwardOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
 
