@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def drafter_factory() -> Drafter:
         if draft is not None:
-            return DraftModelDrafter(draft, args.concurrency, args.max_seq_len)
+            quantize = settings["draft_quantization"] == "int8"
+            return DraftModelDrafter(draft, args.concurrency, args.max_seq_len, quantize=quantize)
         return NgramDrafter(settings["ngram_min"], settings["ngram_max"])
 
     print(
@@ -361,6 +362,7 @@ def bench_settings(args: argparse.Namespace) -> dict:
         "target": str(ROOT / "models" / "target"),
         "draft": str(ROOT / "models" / "draft"),
         "drafter": "draft_model",
+        "draft_quantization": "int8",
         "ngram_min": 1,
         "ngram_max": 4,
         "policy": PolicyParams(),
@@ -373,6 +375,7 @@ def bench_settings(args: argparse.Namespace) -> dict:
             target=str(config.engine.target),
             draft=str(config.engine.draft),
             drafter=config.engine.drafter,
+            draft_quantization=config.engine.draft_quantization,
             ngram_min=config.engine.ngram_min,
             ngram_max=config.engine.ngram_max,
             policy=config.adaptive.policy,

@@ -28,17 +28,21 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--no-quantize", dest="quantize", action="store_false", help="run the draft in float32, not int8"
+    )
     args = parser.parse_args()
 
     target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
     params = SamplingParams(max_tokens=args.max_tokens)
     items = [WorkItem(p, params, "code", None) for p in code_prompts(args.prompts, args.seed)]
     max_seq_len = 2048
-    print(f"{len(items)} held-out code prompts, greedy, {args.max_tokens} tokens each")
+    draft_kind = "int8" if args.quantize else "float32"
+    print(f"{len(items)} held-out code prompts, greedy, {args.max_tokens} tokens each, draft model in {draft_kind}")
     print(f"{'batch':>5} {'drafter':<12} {'mode':<9} {'tok/s':>8} {'x none':>7} {'acc/round':>9}")
     for batch in (1, 4):
         factories = {
-            "draft_model": lambda b=batch: DraftModelDrafter(draft, b, max_seq_len),
+            "draft_model": lambda b=batch: DraftModelDrafter(draft, b, max_seq_len, quantize=args.quantize),
             "ngram": lambda: NgramDrafter(1, 4),
         }
         warm = build_controller("static:3", target, factories["draft_model"], batch, max_seq_len, PolicyParams())

@@ -55,6 +55,7 @@ class EngineSettings:
     target: Path
     drafter: str
     draft: Path
+    draft_quantization: str
     ngram_min: int
     ngram_max: int
     device: str
@@ -163,6 +164,9 @@ SCHEMA: Mapping[str, Section] = {
         "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
         "drafter": Key("str", "draft_model", "how drafts are proposed", choices=("draft_model", "ngram", "none")),
         "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model"),
+        "draft_quantization": Key(
+            "str", "int8", "draft model linear layers: int8 (dynamic, CPU only) or none", choices=("int8", "none")
+        ),
         "ngram_min": Key("int", 1, "shortest n-gram the ngram drafter matches", lo=1),
         "ngram_max": Key("int", 4, "longest n-gram the ngram drafter matches", lo=1),
         "device": Key("str", "cpu", "where the models run", pattern=_DEVICE,

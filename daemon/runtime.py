@@ -31,7 +31,8 @@ def build_drafter(snapshot: ConfigSnapshot, progress: Callable[[str], None]) -> 
         return NgramDrafter(engine.ngram_min, engine.ngram_max)
     progress(f"loading draft {engine.draft}")
     draft = load_checkpoint(engine.draft, engine.device, None if engine.dtype == "auto" else engine.dtype)
-    return DraftModelDrafter(draft, engine.max_batch_size, engine.max_seq_len)
+    quantize = engine.draft_quantization == "int8"
+    return DraftModelDrafter(draft, engine.max_batch_size, engine.max_seq_len, quantize=quantize)
 
 
 def build_engine(

@@ -15,17 +15,19 @@ verify (EAGLE- and DFlash-style drafters); the draft-model and n-gram drafters n
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.checkpoint import Checkpoint
 from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
-from engine.model import ForwardBatch
+from engine.model import ForwardBatch, Transformer
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -49,6 +51,13 @@ class Drafter(Protocol):
     def release(self, seq: Sequence) -> None: ...
 
 
+def int8_linears(model: Transformer) -> Transformer:
+    """A copy of `model` whose linear layers run with dynamic int8 quantization (CPU kernels)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization points to torchao; it still works
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
+
+
 class DraftModelDrafter:
     """A smaller model with the target's tokenizer and its own KV cache.
 
@@ -59,9 +68,12 @@ class DraftModelDrafter:
     name = "draft_model"
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, draft: Checkpoint, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(self, draft: Checkpoint, max_batch_size: int, max_seq_len: int, quantize: bool = False) -> None:
         self.checkpoint = draft
-        self.model = draft.model
+        # On CPU a draft step streams the draft's weights from memory (the target's evict them
+        # from cache every round): int8 weights are a quarter of the bytes. The draft's precision
+        # only moves the acceptance rate; the target verifies every token.
+        self.model = int8_linears(draft.model) if quantize and draft.device.type == "cpu" else draft.model
         self.cache: KVCache = draft.model.new_cache(max_batch_size, max_seq_len)
         # Decode-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: GraphSet | None = None

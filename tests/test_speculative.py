@@ -46,8 +46,8 @@ def pair(tmp_path_factory):
 
 
 def make_drafter(kind: str, draft, max_batch_size: int):
-    if kind == "draft_model":
-        return DraftModelDrafter(draft, max_batch_size, MAX_SEQ_LEN)
+    if kind.startswith("draft_model"):
+        return DraftModelDrafter(draft, max_batch_size, MAX_SEQ_LEN, quantize=kind.endswith("int8"))
     return NgramDrafter(min_n=1, max_n=3)
 
 
@@ -55,7 +55,7 @@ def reference(target, prompts, params):
     return [c.tokens for c in generate(target, prompts, params)]
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram"])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_output_equals_target_only_for_every_k(pair, kind, batch_size):
     target, draft = pair
@@ -204,7 +204,7 @@ def exact_marginals(target, prompt, params, positions: int) -> list[torch.Tensor
     return marginals
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram"])
 def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pair, kind):
     """Chi-square of the 2nd and 3rd sampled tokens (both come out of verification) against the
     target's exact marginals."""
