@@ -4,7 +4,7 @@
         [--concurrency 1,4,16] [--steps 1,3,7] [--max-batch-size 16] [--json OUT]
 
 One daemon per configuration, started on a free port and stopped after its runs: first the
-shipped defaults (adaptive, with the default strategy), then [adaptive] enabled = false with
+shipped config.toml's [adaptive] section, then [adaptive] enabled = false with
 static_steps = K for each K. Each serves the same workload at every concurrency through
 `bench.spec.run_url` (closed loop: N clients, the next request sent as one finishes).
 engine.max_batch_size is 16 by default so that 16 clients decode together.
@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import tomllib
 
 from bench.spec import ROOT, ModeReport, WorkItem, read_workload, run_url
 
@@ -94,6 +96,16 @@ def measure(adaptive: str, items: list[WorkItem], concurrencies: list[int], max_
         return [run_url(url, items, concurrency) for concurrency in concurrencies]
 
 
+def shipped_adaptive() -> str:
+    """The [adaptive] section of the shipped config.toml, so that "adaptive" is what users run."""
+    adaptive = tomllib.loads((ROOT / "config.toml").read_text()).get("adaptive", {})
+    return "\n".join(
+        f"{key} = {json.dumps(value)}"
+        for key, value in adaptive.items()
+        if not isinstance(value, list) or all(not isinstance(v, dict) for v in value)
+    )
+
+
 def rate(report: ModeReport) -> float:
     return report.tokens / report.seconds
 
@@ -110,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
 
     items = read_workload(args.workload)[: args.requests]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    modes = {"adaptive": ""} | {f"static:{k}": f"enabled = false\nstatic_steps = {k}" for k in args.steps.split(",")}
+    modes = {"adaptive": shipped_adaptive()}
+    modes |= {f"static:{k}": f"enabled = false\nstatic_steps = {k}" for k in args.steps.split(",")}
     print(f"workload {args.workload}: {len(items)} requests, concurrency {concurrencies}", file=sys.stderr)
     results: dict[str, list[ModeReport]] = {}
     for mode, adaptive in modes.items():

@@ -91,6 +91,20 @@ class ModeReport:
     phase_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, k, tokens)
 
+    def merge(self, other: ModeReport) -> None:
+        """Add another run of the same mode (its timeline is kept, offset to follow this one)."""
+        offset = self.seconds
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.verified += other.verified
+        self.accepted += other.accepted
+        self.switches += other.switches
+        self.k_rounds.update(other.k_rounds)
+        for phase in other.phase_tokens:
+            self.phase_tokens[phase] += other.phase_tokens[phase]
+            self.phase_seconds[phase] += other.phase_seconds[phase]
+        self.timeline.extend((t + offset, k, n) for t, k, n in other.timeline)
+
     def as_json(self) -> dict:
         return {
             "tokens_per_s": self.tokens / self.seconds,
@@ -305,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: config, or models/draft)")
     parser.add_argument("--drafter", choices=["draft_model", "ngram"], default=None)
     parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every mode, interleaved; figures add up")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--url", default=None, help="a running daemon's HTTP API instead of in-process modes")
@@ -341,14 +356,18 @@ def main(argv: list[str] | None = None) -> None:
     warm = build_controller("static:1", target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"])
     run_mode(warm, items[:1], target.tokenizer, 1)
 
-    reports: dict[str, ModeReport] = {}
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        controller = build_controller(
-            mode, target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"]
-        )
-        reports[mode] = run_mode(controller, items, target.tokenizer, args.concurrency)
-        r = reports[mode]
-        print(f"  {mode}: {r.tokens / r.seconds:.1f} tok/s", file=sys.stderr)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    reports: dict[str, ModeReport] = {mode: ModeReport() for mode in modes}
+    for repeat in range(args.repeats):
+        # Interleave the modes, alternating their order, so that drifts of the machine's speed
+        # are shared out instead of landing on whichever mode ran at the time.
+        for mode in modes if repeat % 2 == 0 else modes[::-1]:
+            controller = build_controller(
+                mode, target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"]
+            )
+            run = run_mode(controller, items, target.tokenizer, args.concurrency)
+            reports[mode].merge(run)
+            print(f"  {mode} (run {repeat + 1}): {run.tokens / run.seconds:.1f} tok/s", file=sys.stderr)
     print_table(reports)
     if args.json:
         args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
