@@ -62,6 +62,27 @@ def save_tiny(model, path: Path, **save_kwargs) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def default_pair_available() -> bool:
-    return (DEFAULT_TARGET / "model.safetensors").exists() and (DEFAULT_DRAFT / "model.safetensors").exists()
+def perturbed_copy(source: Path, destination: Path, scale: float, seed: int = 1) -> Path:
+    """A copy of checkpoint `source` with noise on every weight: a draft that agrees with it
+    often, but not always."""
+    from safetensors.torch import load_file, save_file
+
+    destination.mkdir()
+    for item in source.iterdir():
+        (destination / item.name).write_bytes(item.read_bytes())
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(source / "model.safetensors")
+    noisy = {name: t + scale * torch.randn(t.shape, generator=generator) * t.std() for name, t in tensors.items()}
+    save_file(noisy, destination / "model.safetensors")
+    return destination
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a draft that mostly agrees with it."""
+    from engine.checkpoint import load_checkpoint
+
+    root = tmp_path_factory.mktemp("pair")
+    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
+    draft_dir = perturbed_copy(target_dir, root / "draft", scale=0.2)
+    return load_checkpoint(target_dir), load_checkpoint(draft_dir)

@@ -31,7 +31,7 @@ from engine.model import ForwardBatch
 from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, save_tiny, tiny_hf_model
-from tests.test_speculative import PROMPTS, perturbed_copy
+from tests.test_speculative import PROMPTS
 
 MAX_SEQ_LEN = 96
 STEPS = (0, 1, 2, 3, 5, 7)
@@ -64,14 +64,6 @@ class FakeGraphBackend(Backend):
         graph = RerunGraph(fn, outputs)
         self.graphs.append(graph)
         return graph, outputs
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
-    draft_dir = perturbed_copy(target_dir, root / "draft", scale=0.2)
-    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
 
 
 # ---- backend selection -------------------------------------------------------------------

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 from bench.spec import main as spec_main
-from tests.conftest import save_tiny, tiny_hf_model
-from tests.test_speculative import perturbed_copy
+from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model
 
 
 def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 from structlog.testing import capture_logs
 
-from engine.checkpoint import load_checkpoint
 from engine.controller import Controller
 from engine.core import Engine
 from engine.drafters import DraftModelDrafter
@@ -17,17 +16,9 @@ from engine.generate import generate
 from engine.policy import PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
-from tests.conftest import save_tiny, tiny_hf_model
-from tests.test_speculative import PROMPTS, perturbed_copy
+from tests.test_speculative import PROMPTS
 
 FAST = PolicyParams(candidate_steps=(1, 3, 7), warmup_batches=2, update_interval=1, ema_alpha=0.5)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
-    return load_checkpoint(target_dir), load_checkpoint(perturbed_copy(target_dir, root / "draft", scale=0.2))
 
 
 def make(pair, params=FAST, steps=(0, 1, 2, 3, 5, 7), **kwargs) -> Controller:

@@ -13,12 +13,12 @@ from engine.generate import generate
 from engine.loop import EngineLoop
 from engine.request import Request
 from engine.sampling import SamplingParams
-from tests.test_controller import FAST, pair  # noqa: F401  (module-scoped fixture)
+from tests.test_controller import FAST
 from tests.test_speculative import PROMPTS
 
 
 @pytest.fixture
-def loop(pair):  # noqa: F811
+def loop(pair):
     target, draft = pair
     engine = Engine(target, DraftModelDrafter(draft, 2, 128), 2, 128, (1, 3, 7))
     loop = EngineLoop(Controller(engine, FAST), idle_wait=0.01)
@@ -46,7 +46,7 @@ def collect(loop: EngineLoop, requests) -> dict[str, list[int]]:
     return outputs
 
 
-def test_requests_from_another_thread_are_served_losslessly(loop, pair):  # noqa: F811
+def test_requests_from_another_thread_are_served_losslessly(loop, pair):
     target, _ = pair
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     requests = [Request(tuple(p), params) for p in PROMPTS]  # 4 requests, 2 slots: they queue

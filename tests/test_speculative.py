@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
@@ -18,31 +17,11 @@ from engine.generate import generate
 from engine.model import ForwardBatch
 from engine.request import Request
 from engine.sampling import SamplingParams, target_probs
-from tests.conftest import save_tiny, tiny_hf_model
+from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model
 
 STEPS = (0, 1, 2, 3, 5, 7)
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 9, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 8, 9], [20, 21]]
 MAX_SEQ_LEN = 96
-
-
-def perturbed_copy(source, destination, scale: float, seed: int = 1):
-    """A draft that agrees with the target often, but not always."""
-    destination.mkdir()
-    for item in source.iterdir():
-        (destination / item.name).write_bytes(item.read_bytes())
-    generator = torch.Generator().manual_seed(seed)
-    tensors = load_file(source / "model.safetensors")
-    noisy = {name: t + scale * torch.randn(t.shape, generator=generator) * t.std() for name, t in tensors.items()}
-    save_file(noisy, destination / "model.safetensors")
-    return destination
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
-    draft_dir = perturbed_copy(target_dir, root / "draft", scale=0.2)
-    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
 
 
 def make_drafter(kind: str, draft, max_batch_size: int):
