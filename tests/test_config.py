@@ -97,7 +97,9 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     snapshot = load_config(write(tmp_path, "[adaptive]\nema_alpha = 0.5\n"))
     assert snapshot.adaptive.policy.ema_alpha == 0.5
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
-    assert snapshot.adaptive.policy == PolicyParams(strategy="goodput", ema_alpha=0.5)
+    # The daemon's defaults: the EMA policy over finer steps than SGLang's [1, 3, 7] (measured on
+    # the default pair, docs/benchmarks.md); every other policy parameter is PolicyParams'.
+    assert snapshot.adaptive.policy == PolicyParams(strategy="ema", candidate_steps=(0, 1, 2, 3, 5, 7), ema_alpha=0.5)
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_steps is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
     assert snapshot.engine.max_batch_size == 8 and snapshot.server.port == 8000
@@ -276,7 +278,7 @@ candidate_steps = [1, 6]
     assert issues == {
         "adaptive.slots[0].candidate_steps": "5 above engine.max_steps = 4",
         "adaptive.slots[1].candidate_steps": "6 above engine.max_steps = 4",
-        "adaptive.candidate_steps": "7 above engine.max_steps = 4 (the default; set it explicitly)",
+        "adaptive.candidate_steps": "5, 7 above engine.max_steps = 4 (the default; set it explicitly)",
     }
 
 
@@ -376,7 +378,7 @@ def test_effective_marks_admin_overrides():
     snapshot = parse_config("[adaptive]\nstrategy = 'ema'\n")
     table = effective(snapshot, {"adaptive.steps": 3, "adaptive.ema_alpha": 0.5})
     assert table["adaptive.strategy"] == {"value": "ema", "source": "file"}
-    assert table["adaptive.candidate_steps"] == {"value": [1, 3, 7], "source": "default"}
+    assert table["adaptive.candidate_steps"] == {"value": [0, 1, 2, 3, 5, 7], "source": "default"}
     assert table["adaptive.ema_alpha"] == {"value": 0.5, "source": "admin"}
     assert table["adaptive.steps"] == {"value": 3, "source": "admin"}
     assert table["adaptive.initial_steps"] == {"value": None, "source": "default"}
