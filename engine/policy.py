@@ -331,13 +331,13 @@ class GoodputPolicy:
             reached = [a for a, p in zip(observation.accepted, observation.proposed) if a >= j and p > j]
             if not reached:
                 break  # every chain ended earlier: nothing was learnt about this depth
+            # The batch's requests are averaged first: a round is one observation however large
+            # the batch, so a bigger batch gives a steadier estimate, not a jumpier one.
             rate = sum(1 for a in reached if a > j) / len(reached)
-            # Each request that reached depth j is one trial: a batch of n weighs like n rounds.
-            weight = 1 - (1 - alpha) ** len(reached)
             if j == len(self.position_rates):
                 # A new depth starts from what the depth before it shows, not from nothing.
                 self.position_rates.append(self.position_rates[-1] if self.position_rates else rate)
-            self.position_rates[j] += weight * (rate - self.position_rates[j])
+            self.position_rates[j] += alpha * (rate - self.position_rates[j])
             deepest = j
         # Depths not drafted this round drift towards the deepest one measured, so that an old
         # estimate from a different phase does not hold a longer chain back for ever.
