@@ -251,8 +251,11 @@ class CostModel:
     """
 
     smoothing: float = 0.2
+    fresh_rounds: int = 50  # a direct measurement older than this many rounds gives way to the fit
     verify: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, batch) -> seconds
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
+    last_seen: dict[tuple[int, int], int] = field(default_factory=dict)
+    rounds: int = 0
     verify_fit: LinearFit = field(default_factory=LinearFit)
     draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
 
@@ -262,6 +265,8 @@ class CostModel:
         seconds = observation.verify_seconds
         self.verify[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
         self.samples[key] = self.samples.get(key, 0) + 1
+        self.rounds += 1
+        self.last_seen[key] = self.rounds
         self.verify_fit.add(observation.batch_size + sum(observation.proposed), seconds)
         steps = max(observation.proposed, default=0)
         if steps > 0:
@@ -269,7 +274,9 @@ class CostModel:
 
     def round_seconds(self, k: int, batch_size: int) -> float | None:
         key = (k, batch_size)
-        if self.samples.get(key, 0) >= 3:
+        # The machine's speed drifts: a k not run for a while is priced by the (decaying) fit,
+        # not by what it cost back then.
+        if self.samples.get(key, 0) >= 3 and self.rounds - self.last_seen[key] <= self.fresh_rounds:
             verify = self.verify[key]
         else:
             verify = self.verify_fit.predict(batch_size * (k + 1))
