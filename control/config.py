@@ -180,7 +180,7 @@ SCHEMA: Mapping[str, Section] = {
     "adaptive": Section(AdaptiveSettings, live=True, doc="the step-count policy", keys={
         "enabled": Key("bool", True, "adapt k to the acceptance rate; false = always static_steps"),
         "static_steps": Key("int", 3, "k used when enabled = false", lo=0, bounded_by_max_steps=True),
-        "strategy": Key("str", "ema", "policy: ema (SGLang ladder) or goodput (cost-aware)",
+        "strategy": Key("str", "goodput", "policy: goodput (cost-aware) or ema (SGLang ladder)",
                         choices=("goodput", "ema")),
         "candidate_steps": Key("steps", (0, 1, 2, 3, 5, 7), "step counts k the policy chooses from", lo=0,
                                bounded_by_max_steps=True),

@@ -97,9 +97,11 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     snapshot = load_config(write(tmp_path, "[adaptive]\nema_alpha = 0.5\n"))
     assert snapshot.adaptive.policy.ema_alpha == 0.5
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
-    # The daemon's defaults: the EMA policy over finer steps than SGLang's [1, 3, 7] (measured on
-    # the default pair, docs/benchmarks.md); every other policy parameter is PolicyParams'.
-    assert snapshot.adaptive.policy == PolicyParams(strategy="ema", candidate_steps=(0, 1, 2, 3, 5, 7), ema_alpha=0.5)
+    # The daemon's defaults: goodput over finer steps than SGLang's [1, 3, 7] (measured on the
+    # default pair, docs/benchmarks.md); every other policy parameter is PolicyParams'.
+    assert snapshot.adaptive.policy == PolicyParams(
+        strategy="goodput", candidate_steps=(0, 1, 2, 3, 5, 7), ema_alpha=0.5
+    )
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_steps is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
     assert snapshot.engine.max_batch_size == 8 and snapshot.server.port == 8000
