@@ -53,14 +53,13 @@ class RuntimeState:
 
     On CPU that is the warmed-up shapes of its verify forward and the measured cost of a round;
     on backends with graphs it also owns its verify graphs (`memory_bytes` is what capturing them
-    added). Buffers shared by all states (the draft model's probability buffer, its decode-step
-    graphs) are sized for the largest k the engine accepts.
+    added). What all states share (the caches, the draft model's decode-step graphs) does not
+    depend on k, so no state can outgrow it (SGLang crashed on a shared buffer sized for one tier).
     """
 
     k: int
     build_seconds: float
     memory_bytes: int
-    warmup_seconds: dict[int, float]  # batch size -> one verify forward at build time
     stats: StateStats = field(default_factory=StateStats)
     graphs: GraphSet | None = None  # verify graphs of width k+1, one per batch-size bucket
 
@@ -84,11 +83,6 @@ class StepResult:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-
-    @property
-    def accepted(self) -> list[int]:
-        """Accepted drafts of each sequence that took part in the round (the policies' input)."""
-        return [o.drafts_accepted for o in self.outputs if o.verified]
 
 
 class Engine:
@@ -152,15 +146,13 @@ class Engine:
         started = time.perf_counter()
         graphs, memory = None, 0
         if self.graph_runner is None:
-            warmup = self._warm_up_verify(k)
+            self._warm_up_verify(k)
         else:
             # No round may run meanwhile: a capture fails if another thread touches the device.
             with self._device_lock:
-                warmup = self._warm_up_verify(k)
+                self._warm_up_verify(k)
                 graphs, memory = self._capture_graphs(k)
-        state = RuntimeState(
-            k=k, build_seconds=time.perf_counter() - started, memory_bytes=memory, warmup_seconds=warmup, graphs=graphs
-        )
+        state = RuntimeState(k=k, build_seconds=time.perf_counter() - started, memory_bytes=memory, graphs=graphs)
         with self._states_lock:
             return self.states.setdefault(k, state)
 
@@ -185,19 +177,15 @@ class Engine:
         return sum(r.captures for r in (self.graph_runner, self.draft_graph_runner) if r is not None)
 
     @torch.inference_mode()
-    def _warm_up_verify(self, k: int) -> dict[int, float]:
+    def _warm_up_verify(self, k: int) -> None:
         """Run this state's verify shape once at batch 1 and at the largest batch, on a scratch cache."""
         scratch = self.model.new_cache(self.max_batch_size, k + 2)
-        timings = {}
         for batch_size in sorted({1, self.max_batch_size}):
             slots = list(range(batch_size))
             for slot in slots:
                 scratch.lengths[slot] = 0
             tokens = [[0] * (k + 1)] * batch_size
-            started = time.perf_counter()
             self.model(ForwardBatch.build(scratch, slots, tokens, self.model.config.sliding_window), scratch)
-            timings[batch_size] = time.perf_counter() - started
-        return timings
 
     def select(self, k: int) -> RuntimeState:
         """Make the state for `k` active from the next round on (a reference swap: its graphs are
@@ -323,9 +311,6 @@ class Engine:
         accepted = []
         for seq, proposal, tokens in zip(seqs, proposals, emitted):
             kept = len(tokens) - 1
-            seq.rounds += 1
-            seq.drafts_proposed += len(proposal.tokens)
-            seq.drafts_accepted += kept
             new = self._append(seq, tokens)
             # The target cache keeps every emitted token but the newest (fed next round).
             self.cache.truncate(seq.slot, min(self.cache.lengths[seq.slot], len(seq.tokens) - 1))

@@ -42,10 +42,6 @@ class Sequence:
     tokens: list[int]
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    cancelled: bool = False
-    rounds: int = 0
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
     draft_slot: int | None = None  # the drafter's own cache slot, if it has one
 
     @property
