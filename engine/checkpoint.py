@@ -20,7 +20,7 @@ from torch import Tensor
 
 from engine.config import CheckpointError, ModelConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.model import Transformer
+from engine.model import Transformer, can_pack_linears
 
 # Our fused parameter -> the Hugging Face tensors concatenated (in order) along dim 0.
 _FUSED = {
@@ -158,6 +158,8 @@ def load_checkpoint(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)
+    if can_pack_linears(torch_device, torch_dtype):
+        model.pack_linears()
 
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.exists():

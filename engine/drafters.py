@@ -15,7 +15,6 @@ verify (EAGLE- and DFlash-style drafters); the draft-model and n-gram drafters n
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -53,9 +52,19 @@ class Drafter(Protocol):
 
 def int8_linears(model: Transformer) -> Transformer:
     """A copy of `model` whose linear layers run with dynamic int8 quantization (CPU kernels)."""
+    quantized = Transformer(model.config, model.max_positions)
+    quantized.load_state_dict(model.state_dict())
+    quantized.eval().requires_grad_(False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization points to torchao; it still works
-        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
+        for parent in list(quantized.modules()):
+            for name, child in parent.named_children():
+                if isinstance(child, nn.Linear):
+                    plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                    plain.load_state_dict(child.state_dict())
+                    plain.qconfig = torch.ao.quantization.default_dynamic_qconfig
+                    setattr(parent, name, torch.ao.nn.quantized.dynamic.Linear.from_float(plain))
+    return quantized
 
 
 class DraftModelDrafter:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import CheckpointError
 from engine.device import DeviceError, resolve_device
-from engine.model import ForwardBatch
+from engine.model import ForwardBatch, Linear
 from tests.conftest import save_tiny, tiny_hf_model
 
 
@@ -105,3 +105,21 @@ def test_npu_without_torch_npu_is_a_clear_error():
 def test_unknown_device_is_rejected():
     with pytest.raises(DeviceError, match="unknown device 'tpu'"):
         resolve_device("tpu")
+
+
+def test_cpu_float32_checkpoints_run_from_packed_weights_with_the_same_logits(tiny_dir):
+    checkpoint = load_checkpoint(tiny_dir)
+    linears = [m for m in checkpoint.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    packed = logits_of(checkpoint, [3, 4, 5, 6])
+    checkpoint.model.to(torch.float32)  # any conversion drops the packed copies ...
+    assert all(m.packed is None for m in linears)
+    torch.testing.assert_close(logits_of(checkpoint, [3, 4, 5, 6]), packed, atol=1e-5, rtol=1e-5)
+
+
+def test_loading_new_weights_drops_the_stale_packed_copy(tiny_dir, tmp_path):
+    checkpoint = load_checkpoint(tiny_dir)
+    other = load_checkpoint(save_tiny(tiny_hf_model("llama", seed=1), tmp_path / "other"))
+    checkpoint.model.load_state_dict(other.model.state_dict())
+    assert all(m.packed is None for m in checkpoint.model.modules() if isinstance(m, Linear))
+    torch.testing.assert_close(logits_of(checkpoint, [3, 4, 5]), logits_of(other, [3, 4, 5]), atol=1e-5, rtol=1e-5)
