@@ -12,7 +12,8 @@ down by) and "arrival_s" (open loop: not submitted before that offset). Without 
 run is closed-loop: --concurrency requests in flight, the next one submitted as one finishes.
 
 Modes: `none` (target only), `static:K` (a fixed k), `adaptive:ema`, `adaptive:goodput` (the
-config's [adaptive] parameters with that strategy). Every mode serves the same requests on the
+config's [adaptive] parameters with that strategy; `+NAME=VALUE` overrides one more parameter, as
+in `adaptive:goodput+draft_cutoff=false`). Every mode serves the same requests on the
 same loaded models, one after another in this process, so the ratios are measured side by side.
 A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
 per-phase seconds add up to the total; the per-phase oracle takes, for each phase, the fastest
@@ -135,11 +136,27 @@ def build_controller(
         engine = Engine(target, drafter_factory(), concurrency, max_seq_len, [k])
         return Controller(engine, replace(params, candidate_steps=(k,), slots=()), adaptive=False, static_steps=k)
     if mode.startswith("adaptive:"):
-        strategy = mode.split(":", 1)[1]
-        policy = replace(params, strategy=strategy)
+        strategy, *overrides = mode.split(":", 1)[1].split("+")
+        policy = replace(params, strategy=strategy, **dict(parse_override(o) for o in overrides))
         engine = Engine(target, drafter_factory(), concurrency, max_seq_len, policy.all_steps)
         return Controller(engine, policy)
     raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:ema or adaptive:goodput")
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`name=value` of a policy parameter, as in adaptive:goodput+draft_cutoff=false."""
+    name, _, value = text.partition("=")
+    if name not in PolicyParams.__dataclass_fields__ or not value:
+        raise SystemExit(f"{text!r}: expected PARAMETER=VALUE with a policy parameter name")
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return name, lowered == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> ModeReport:

@@ -187,6 +187,9 @@ class Controller:
         """Apply queued control messages, then run one round with the chosen state."""
         self.apply_pending()
         self.engine.select(self._steps)
+        # A pinned, forced or static k drafts exactly k: only the policy's own choice is cut short.
+        adapting = self.mode == "adaptive" and self.pinned is None and self.forced is None
+        self.engine.keep_drafting = self.policy.draft_cutoff() if adapting else None
         result = self.engine.step()
         verified = [o for o in result.outputs if o.verified]
         if verified:
@@ -197,6 +200,7 @@ class Controller:
                     proposed=tuple(o.drafts_proposed for o in verified),
                     draft_seconds=result.draft_seconds,
                     verify_seconds=result.verify_seconds,
+                    confidence=tuple(o.draft_confidence for o in verified),
                 )
             )
         else:

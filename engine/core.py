@@ -25,6 +25,7 @@ from engine.checkpoint import Checkpoint
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
 from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
 from engine.model import ForwardBatch
+from engine.policy import KeepDrafting
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
 from engine.verify import verify
@@ -72,6 +73,7 @@ class SequenceOutput:
     drafts_proposed: int
     drafts_accepted: int
     verified: bool  # took part in the round (False for the first token, from the prefill)
+    draft_confidence: tuple[float, ...] = ()  # the drafter's probability of each proposed token
 
 
 @dataclass
@@ -118,6 +120,9 @@ class Engine:
             if isinstance(drafter, DraftModelDrafter):
                 self.draft_graph_runner = GraphRunner(drafter.model, drafter.cache, self.backend, sizes)
         self.round = 0
+        # Asked by the drafter between draft steps whether to go on (see engine/drafters.py);
+        # None drafts the full k. Swapped only between steps, like the state.
+        self.keep_drafting: KeepDrafting | None = None
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -282,7 +287,7 @@ class Engine:
             return [Proposal([]) for _ in seqs]
         # Never draft past max_tokens: the target's own token always comes after the drafts.
         ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
-        return self.drafter.propose(seqs, ks)
+        return self.drafter.propose(seqs, ks, self.keep_drafting)
 
     def verify(
         self, seqs: Seq[Sequence], proposals: Seq[Proposal], state: RuntimeState | None = None
@@ -319,7 +324,13 @@ class Engine:
             if admitted is not None:
                 new = admitted.new_tokens + new
             outputs[seq.request.id] = SequenceOutput(
-                seq.request.id, new, seq.finish_reason, len(proposal.tokens), kept, verified=True
+                seq.request.id,
+                new,
+                seq.finish_reason,
+                len(proposal.tokens),
+                kept,
+                verified=True,
+                draft_confidence=tuple(proposal.confidence),
             )
             accepted.append(kept)
         if self.drafter is not None:

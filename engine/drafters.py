@@ -3,8 +3,11 @@
 Every drafter follows the same protocol, so the engine never asks which one it holds:
 
 - `admit(seqs)`: new sequences joined (their prompts are in `seq.tokens`);
-- `propose(seqs, ks)`: up to `ks[i]` draft tokens for sequence i, with the drafter's probabilities
-  for each (None means the proposal is deterministic: a one-hot distribution);
+- `propose(seqs, ks, keep_drafting)`: up to `ks[i]` draft tokens for sequence i, with the
+  drafter's probabilities for each (None means the proposal is deterministic: a one-hot
+  distribution) and its confidence in each token. A drafter that drafts step by step asks
+  `keep_drafting` after each step whether another is worth its cost; the question depends only
+  on the drafter's own state, never on the target's, so the output distribution is unchanged;
 - `accept(seqs, accepted, hidden)`: after verification, `accepted[i]` drafts of sequence i were
   kept and `seq.tokens` already holds them plus the target's token; roll back the rest;
 - `release(seq)`: the sequence left.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,6 +30,7 @@ from engine.checkpoint import Checkpoint
 from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Transformer
+from engine.policy import KeepDrafting
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -35,6 +39,8 @@ from engine.sampling import sample, target_probs
 class Proposal:
     tokens: list[int]
     probs: Tensor | None = None  # [len(tokens), V] the drafter's distribution, or None if one-hot
+    # The drafter's probability of each proposed token (empty where it has none, as for n-grams).
+    confidence: list[float] = field(default_factory=list)
 
 
 class Drafter(Protocol):
@@ -43,7 +49,9 @@ class Drafter(Protocol):
 
     def admit(self, seqs: Seq[Sequence]) -> None: ...
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]: ...
+    def propose(
+        self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None
+    ) -> list[Proposal]: ...
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None: ...
 
@@ -107,25 +115,30 @@ class DraftModelDrafter:
             out = self.model(batch, self.cache, last_only=True)
         return out.logits[:, -1]
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None) -> list[Proposal]:
         proposals = [Proposal([]) for _ in seqs]
         probs: list[list[Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         inputs = {i: seqs[i].tokens[self.cache.lengths[seqs[i].draft_slot] :] for i in active}
         while active:
             logits = self._forward([seqs[i] for i in active], [inputs[i] for i in active], ForwardMode.DRAFT)
-            greedy_rows = logits.argmax(dim=-1).tolist()
+            top_probs, greedy_rows = logits.float().softmax(dim=-1).max(dim=-1)
+            top_probs, greedy_rows = top_probs.tolist(), greedy_rows.tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if seq.params.greedy:
-                    token = greedy_rows[row]
+                    token, confidence = greedy_rows[row], top_probs[row]
                 else:
                     q = target_probs(logits[row], seq.params)
                     token = sample(q, seq.generator)
+                    confidence = float(q[token])
                     probs[i].append(q)
                 proposals[i].tokens.append(token)
+                proposals[i].confidence.append(confidence)
                 inputs[i] = [token]
             active = [i for i in active if len(proposals[i].tokens) < ks[i]]
+            if active and keep_drafting is not None and not keep_drafting([proposals[i].confidence for i in active]):
+                break
         for i, q in enumerate(probs):
             if q:
                 proposals[i].probs = torch.stack(q)
@@ -158,7 +171,7 @@ class NgramDrafter:
     def admit(self, seqs: Seq[Sequence]) -> None:
         pass
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None) -> list[Proposal]:
         return [Proposal(self.lookup(seq.tokens, k) if k > 0 else []) for seq, k in zip(seqs, ks)]
 
     def lookup(self, tokens: Seq[int], k: int) -> list[int]:

@@ -8,11 +8,14 @@ applies its decisions between rounds.
   request, and a threshold ladder over the sorted candidates with hysteresis.
 - `GoodputPolicy` is cost-aware: it estimates how far a chain of drafts survives, position by
   position, and picks the k with the most expected tokens per second of measured round time.
+  Within a round it can also cut the draft short (`draft_cutoff`): another draft step is taken
+  only while the tokens it is expected to add pay for its cost at the measured throughput.
 - `SlottedPolicy` keeps a separate candidate list and policy state per batch-size range.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -41,6 +44,8 @@ class PolicyParams:
     probe_interval: int = 40
     # goodput: move only when the best k is expected to beat the current one by this fraction.
     switch_margin: float = 0.05
+    # goodput: end a round's drafting early when the next draft is not worth its cost.
+    draft_cutoff: bool = True
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -93,6 +98,7 @@ class Observation:
     proposed: tuple[int, ...]  # drafts proposed to each request (k, or fewer near max_tokens)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    confidence: tuple[tuple[float, ...], ...] = ()  # the drafter's confidence in each proposed token
 
     @property
     def batch_size(self) -> int:
@@ -120,6 +126,15 @@ class Policy(Protocol):
     def set_steps(self, k: int) -> None: ...
 
     def update_params(self, params: PolicyParams) -> None: ...
+
+    def draft_cutoff(self) -> KeepDrafting | None:
+        """What the drafter asks between draft steps this round, or None to draft the full k."""
+        ...
+
+
+# Asked by a drafter after each draft step, with the confidences so far of every sequence still
+# drafting: True takes another step, False ends drafting for this round.
+KeepDrafting = Callable[[Seq[Seq[float]]], bool]
 
 
 def snap(k: int, candidates: Seq[int]) -> int:
@@ -206,6 +221,9 @@ class EmaPolicy:
         self.candidates = sorted(params.candidate_steps)
         self.set_steps(current)
 
+    def draft_cutoff(self) -> KeepDrafting | None:
+        return None  # SGLang's ladder drafts every round to the full k
+
 
 def _drop_threshold(lower: int) -> float:
     # SGLang's boundary below tier c is c - 0.5; for k = 0 that would never be reached (the
@@ -229,15 +247,20 @@ class LinearFit:
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
+    def slope(self) -> float:
+        if self.n == 0:
+            return 0.0
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var <= 1e-6 * max(mx * mx, 1.0):
+            return 0.0  # one x seen so far: no slope to go on yet
+        return max(0.0, (self.sxy / self.n - mx * my) / var)  # more tokens never cost less
+
     def predict(self, x: float) -> float | None:
         if self.n == 0:
             return None
         mx, my = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mx * mx
-        if var <= 1e-6 * max(mx * mx, 1.0):
-            return my  # one x seen so far: no slope to go on yet
-        slope = max(0.0, (self.sxy / self.n - mx * my) / var)  # more tokens never cost less
-        return max(my + slope * (x - mx), 0.0)
+        return max(my + self.slope() * (x - mx), 0.0)
 
 
 @dataclass
@@ -288,6 +311,36 @@ class CostModel:
         return None if per_step is None else verify + k * per_step
 
 
+@dataclass
+class Calibration:
+    """How often a draft token is kept, by the drafter's confidence in it (its probability).
+
+    Confidences are binned; each bin's rate starts at the bin's middle (a drafter that is right
+    as often as it says) and follows what verification shows, since a distilled draft is often
+    over- or under-confident, and sampling keeps a token with min(1, p/q), not q.
+    """
+
+    bins: int = 10
+    alpha: float = 0.02
+    rates: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rates:
+            self.rates = [(b + 0.5) / self.bins for b in range(self.bins)]
+
+    def _bin(self, confidence: float) -> int:
+        return min(max(int(confidence * self.bins), 0), self.bins - 1)
+
+    def probability(self, confidence: float) -> float:
+        return self.rates[self._bin(confidence)]
+
+    def learn(self, confidence: Seq[float], accepted: int) -> None:
+        # Drafts after the first rejected one were never judged: they teach nothing.
+        for j, c in enumerate(confidence[: accepted + 1]):
+            b = self._bin(c)
+            self.rates[b] += self.alpha * ((1.0 if j < accepted else 0.0) - self.rates[b])
+
+
 class GoodputPolicy:
     """Cost-aware: choose the k that maximises expected tokens per second.
 
@@ -298,6 +351,12 @@ class GoodputPolicy:
     for the (k, batch size) pairs that have run, fitted for the others, so the best k shrinks as
     the batch grows. k = 0 is chosen when no k > 0 beats plain decoding; from there the smallest
     k > 0 is probed every `probe_interval` rounds.
+
+    With `draft_cutoff`, k is the most a round drafts: after each draft step the policy weighs
+    the tokens another step is expected to add (the chance that every draft so far survives,
+    from the drafter's calibrated confidence, times the next position's rate) against what the
+    step costs (a draft step, and one more verified token per sequence) at the throughput the
+    rounds measure. Confident chains run long and doubtful ones stop, round by round.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -306,6 +365,9 @@ class GoodputPolicy:
         self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
         self.position_rates: list[float] = []
         self.costs = CostModel()
+        self.calibration = Calibration()
+        self.batch_size = 1
+        self.throughput: dict[int, float] = {}  # measured tokens per second of rounds, by batch size
         self.batches = 0
         self.rounds_at_zero = 0
         self.last_goodput: dict[int, float] = {}
@@ -356,6 +418,9 @@ class GoodputPolicy:
         if not observation.accepted:
             return None
         self.costs.record(observation)
+        self._measure_throughput(observation)
+        for confidence, accepted in zip(observation.confidence, observation.accepted):
+            self.calibration.learn(confidence, accepted)
         if self._steps == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:
@@ -371,6 +436,33 @@ class GoodputPolicy:
         if after_warmup < 0 or after_warmup % self.params.update_interval:
             return None
         return self._choose(observation.batch_size)
+
+    def _measure_throughput(self, observation: Observation) -> None:
+        self.batch_size = observation.batch_size
+        seconds = observation.draft_seconds + observation.verify_seconds
+        if seconds <= 0:
+            return
+        rate = (sum(observation.accepted) + observation.batch_size) / seconds
+        old = self.throughput.get(observation.batch_size)
+        self.throughput[observation.batch_size] = rate if old is None else old + 0.05 * (rate - old)
+
+    def draft_cutoff(self) -> KeepDrafting | None:
+        return self.keep_drafting if self.params.draft_cutoff else None
+
+    def keep_drafting(self, confidences: Seq[Seq[float]]) -> bool:
+        batch = self.batch_size
+        rate = self.throughput.get(batch) or self.goodput(self._steps, batch)
+        step_seconds = self.costs.draft_fit.predict(batch)
+        if rate is None or step_seconds is None:
+            return True  # nothing measured yet: draft the full k
+        gain = 0.0
+        for confidence in confidences:
+            survive = 1.0
+            for c in confidence:
+                survive *= self.calibration.probability(c)
+            gain += survive * self._rate(len(confidence))
+        cost = step_seconds + self.costs.verify_fit.slope() * len(confidences)
+        return gain >= rate * cost
 
     def goodput(self, k: int, batch_size: int) -> float | None:
         seconds = self.costs.round_seconds(k, batch_size)
@@ -445,6 +537,9 @@ class SlottedPolicy:
 
     def set_steps(self, k: int) -> None:
         self.slots[self.active].set_steps(k)
+
+    def draft_cutoff(self) -> KeepDrafting | None:
+        return self.slots[self.active].draft_cutoff()
 
     def update_params(self, params: PolicyParams) -> None:
         if params.strategy != self.params.strategy or {s.min_batch_size for s in params.slots} != {

@@ -8,6 +8,7 @@ import pytest
 
 from engine.policy import (
     BatchSlot,
+    Calibration,
     EmaPolicy,
     GoodputPolicy,
     Observation,
@@ -232,6 +233,52 @@ def test_goodput_expected_tokens_from_position_rates():
     assert policy.expected_tokens(0) == 1.0
     assert policy.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.4)
     assert policy.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)  # deeper reuses the last rate
+
+
+# ---- cutting a round's drafting short ---------------------------------------------------------
+
+
+def test_calibration_learns_how_often_each_confidence_is_kept_from_judged_drafts_only():
+    calibration = Calibration()
+    assert calibration.probability(0.95) == pytest.approx(0.95)  # trusts the drafter at first
+    for _ in range(300):
+        # Confident first drafts are always kept; the doubtful second one never is; the third
+        # was never judged (the second was rejected), so it must not count against 0.95.
+        calibration.learn([0.95, 0.35, 0.95], accepted=1)
+    assert calibration.probability(0.95) > 0.99
+    assert calibration.probability(0.35) < 0.01
+    assert calibration.probability(0.05) == pytest.approx(0.05)  # no evidence, no change
+
+
+def cutoff_policy(draft_seconds: float, verify_seconds: float = 0.010) -> GoodputPolicy:
+    """A goodput policy at k = 7 that has measured rounds at its cost."""
+    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7)
+    for _ in range(30):
+        confidence = ((0.95,) * 7, (0.95,) * 4 + (0.2,) * 3)
+        policy.observe(Observation(7, (7, 4), (7, 7), 7 * draft_seconds, verify_seconds, confidence))
+    return policy
+
+
+def test_cutoff_drafts_on_while_confident_and_stops_when_the_chain_is_doubtful():
+    policy = cutoff_policy(draft_seconds=0.001)
+    keep = policy.draft_cutoff()
+    assert keep is not None
+    assert keep([[0.95, 0.95, 0.95]])  # the chain very likely survives: worth another step
+    assert not keep([[0.95, 0.2, 0.2]])  # it almost surely broke already
+
+
+def test_cutoff_weighs_the_cost_of_a_draft_step():
+    cheap, dear = cutoff_policy(draft_seconds=0.0002), cutoff_policy(draft_seconds=0.004)
+    chain = [[0.95, 0.95, 0.55]]  # survives about half the time
+    assert cheap.keep_drafting(chain)
+    assert not dear.keep_drafting(chain)
+
+
+def test_cutoff_is_off_for_ema_and_when_disabled():
+    assert EmaPolicy(DEFAULTS).draft_cutoff() is None
+    params = PolicyParams(strategy="goodput", draft_cutoff=False)
+    assert GoodputPolicy(params).draft_cutoff() is None
+    assert make_policy(replace(params, draft_cutoff=True)).draft_cutoff() is not None
 
 
 # ---- slots -----------------------------------------------------------------------------------

@@ -264,3 +264,50 @@ def test_bad_requests_are_refused_with_a_reason(pair):
         engine.add_request(Request((1, 999), SamplingParams(max_tokens=4)))
     with pytest.raises(ValueError, match="needs a drafter"):
         engine.build_state(3)
+
+
+def test_greedy_stays_lossless_when_drafting_is_cut_short(pair):
+    """The cutoff ends a round's drafting on the drafter's own confidence: fewer drafts, same text."""
+    target, draft = pair
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    expected = reference(target, PROMPTS, params)
+    engine = Engine(target, make_drafter("draft_model", draft, 4), 4, MAX_SEQ_LEN, [7])
+    asked = []
+
+    def keep_drafting(confidences):
+        # Any rule that reads only the drafts is allowed; this one stops about a third of the time.
+        asked.append(len(confidences))
+        return int(sum(c[-1] for c in confidences) * 1000) % 3 != 0
+
+    engine.keep_drafting = keep_drafting
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == expected
+    proposed = engine.state.stats.proposed_at
+    assert asked and proposed[0] > proposed[-1]  # some rounds stopped before 7 drafts
+
+
+def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_vocab_pair):
+    """A cutoff that reads the drafts' own probabilities must not bias the sampled tokens."""
+    target, draft = tiny_vocab_pair
+    prompt = tuple(range(8)) * 2
+    base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    with torch.inference_mode():
+        marginals = exact_marginals(target, prompt, base, 3)
+    draws = 1500
+    engine = Engine(target, make_drafter("draft_model", draft, 16), 16, 32, [3])
+    engine.keep_drafting = lambda confidences: sum(c[-1] for c in confidences) / len(confidences) > 0.4
+    requests = [
+        Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
+        for s in range(draws)
+    ]
+    outputs = engine.run_until_done(requests)
+    proposed = engine.state.stats.proposed_at
+    assert proposed[0] > proposed[-1] > 0  # cut in some rounds, not in all
+    for position in (1, 2):
+        counts = Counter(outputs[r.id][position] for r in requests)
+        expected = marginals[position] * draws
+        observed = torch.tensor([counts[v] for v in range(len(expected))], dtype=torch.float64)
+        keep = expected >= 5
+        chi2 = float((((observed - expected) ** 2) / expected)[keep].sum())
+        assert chi2 < 24.3, (position, chi2, observed.tolist(), expected.tolist())
