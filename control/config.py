@@ -191,7 +191,7 @@ SCHEMA: Mapping[str, Section] = {
         "update_interval": Key("int", 5, "rounds between decisions", lo=1),
         "up_hysteresis": Key("float", 0.0, "ema: extra margin needed to move up a tier"),
         "down_hysteresis": Key("float", -0.25, "ema: margin (usually negative) before moving down a tier"),
-        "probe_interval": Key("int", 40, "rounds at k = 0 before probing the smallest k > 0", lo=1),
+        "probe_interval": Key("int", 10, "rounds at k = 0 before probing the smallest k > 0", lo=1),
         "switch_margin": Key("float", 0.05, "goodput: fraction by which a k must beat the current one", lo=0),
         "draft_cutoff": Key("bool", True, "goodput: stop a round's drafting once another draft is not worth it"),
         "slots": Key("slots", (), "candidate lists by batch size ([[adaptive.slots]])"),

@@ -41,7 +41,9 @@ class PolicyParams:
     slots: tuple[BatchSlot, ...] = ()
     # At k = 0 nothing is drafted, so nothing is learnt: every probe_interval rounds, try the
     # smallest k > 0 for a while.
-    probe_interval: int = 40
+    # Short: a dip in the estimate can send goodput to k = 0, where it learns nothing until the
+    # next probe (40 rounds held it there for a fifth of the transition workload at batch 1).
+    probe_interval: int = 10
     # goodput: move only when the best k is expected to beat the current one by this fraction.
     switch_margin: float = 0.05
     # goodput: end a round's drafting early when the next draft is not worth its cost.

@@ -135,7 +135,7 @@ def test_goodput_cuts_drafting_short_only_while_it_chooses_k(pair):
     target, _ = pair
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     expected = [c.tokens for c in generate(target, PROMPTS, params)]
-    goodput = replace(FAST, strategy="goodput", candidate_steps=(7,))
+    goodput = replace(FAST, strategy="goodput", candidate_steps=(7,), draft_cutoff=True)
     controller = make(pair, goodput, steps=(3, 7))
     requests = [Request(tuple(p), params) for p in PROMPTS]
     outputs = serve(controller, requests)

@@ -252,7 +252,7 @@ def test_calibration_learns_how_often_each_confidence_is_kept_from_judged_drafts
 
 def cutoff_policy(draft_seconds: float, verify_seconds: float = 0.010) -> GoodputPolicy:
     """A goodput policy at k = 7 that has measured rounds at its cost."""
-    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7)
+    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,), draft_cutoff=True), 7)
     for _ in range(30):
         confidence = ((0.95,) * 7, (0.95,) * 4 + (0.2,) * 3)
         policy.observe(Observation(7, (7, 4), (7, 7), 7 * draft_seconds, verify_seconds, confidence))
