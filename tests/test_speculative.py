@@ -183,6 +183,19 @@ def exact_marginals(target, prompt, params, positions: int) -> list[torch.Tensor
     return marginals
 
 
+def assert_follows_marginals(outputs, requests, marginals) -> None:
+    """Chi-square of the 2nd and 3rd sampled tokens (both come out of verification)."""
+    for position in (1, 2):
+        counts = Counter(outputs[r.id][position] for r in requests)
+        expected = marginals[position] * len(requests)
+        observed = torch.tensor([counts[v] for v in range(len(expected))], dtype=torch.float64)
+        keep = expected >= 5
+        chi2 = float((((observed - expected) ** 2) / expected)[keep].sum())
+        dof = int(keep.sum()) - 1
+        # p < 0.001 for dof <= 7 is chi2 > 24.3: a real bias fails by far more than that.
+        assert chi2 < 24.3, (position, chi2, dof, observed.tolist(), expected.tolist())
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram"])
 def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pair, kind):
     """Chi-square of the 2nd and 3rd sampled tokens (both come out of verification) against the
@@ -201,15 +214,7 @@ def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pai
     outputs = engine.run_until_done(requests)
     stats = engine.state.stats
     assert 0 < stats.drafts_accepted < stats.drafts_proposed
-    for position in (1, 2):
-        counts = Counter(outputs[r.id][position] for r in requests)
-        expected = marginals[position] * draws
-        observed = torch.tensor([counts[v] for v in range(len(expected))], dtype=torch.float64)
-        keep = expected >= 5
-        chi2 = float((((observed - expected) ** 2) / expected)[keep].sum())
-        dof = int(keep.sum()) - 1
-        # p < 0.001 for dof <= 7 is chi2 > 24.3: a real bias fails by far more than that.
-        assert chi2 < 24.3, (position, chi2, dof, observed.tolist(), expected.tolist())
+    assert_follows_marginals(outputs, requests, marginals)
 
 
 def test_state_for_a_new_k_is_built_off_the_hot_path_and_selected_at_a_boundary(pair):
@@ -304,10 +309,4 @@ def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_
     outputs = engine.run_until_done(requests)
     proposed = engine.state.stats.proposed_at
     assert proposed[0] > proposed[-1] > 0  # cut in some rounds, not in all
-    for position in (1, 2):
-        counts = Counter(outputs[r.id][position] for r in requests)
-        expected = marginals[position] * draws
-        observed = torch.tensor([counts[v] for v in range(len(expected))], dtype=torch.float64)
-        keep = expected >= 5
-        chi2 = float((((observed - expected) ** 2) / expected)[keep].sum())
-        assert chi2 < 24.3, (position, chi2, observed.tolist(), expected.tolist())
+    assert_follows_marginals(outputs, requests, marginals)
