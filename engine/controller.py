@@ -188,8 +188,7 @@ class Controller:
         self.apply_pending()
         self.engine.select(self._steps)
         # A pinned, forced or static k drafts exactly k: only the policy's own choice is cut short.
-        adapting = self.mode == "adaptive" and self.pinned is None and self.forced is None
-        self.engine.keep_drafting = self.policy.draft_cutoff() if adapting else None
+        self.engine.keep_drafting = self.policy.draft_cutoff() if self.mode_name == "adaptive" else None
         result = self.engine.step()
         verified = [o for o in result.outputs if o.verified]
         if verified:

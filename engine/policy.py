@@ -420,6 +420,7 @@ class GoodputPolicy:
         if not observation.accepted:
             return None
         self.costs.record(observation)
+        self.batch_size = observation.batch_size
         self._measure_throughput(observation)
         for confidence, accepted in zip(observation.confidence, observation.accepted):
             self.calibration.learn(confidence, accepted)
@@ -440,7 +441,6 @@ class GoodputPolicy:
         return self._choose(observation.batch_size)
 
     def _measure_throughput(self, observation: Observation) -> None:
-        self.batch_size = observation.batch_size
         seconds = observation.draft_seconds + observation.verify_seconds
         if seconds <= 0:
             return
