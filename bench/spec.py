@@ -13,11 +13,12 @@ run is closed-loop: --concurrency requests in flight, the next one submitted as 
 
 Modes: `none` (target only), `static:K` (a fixed k), `adaptive:ema`, `adaptive:goodput` (the
 config's [adaptive] parameters with that strategy; `+NAME=VALUE` overrides one more parameter, as
-in `adaptive:goodput+draft_cutoff=false`). Every mode serves the same requests on the
-same loaded models, one after another in this process, so the ratios are measured side by side.
+in `adaptive:goodput+draft_cutoff=false`). Every mode serves the same requests on the same
+loaded models in this process, side by side: the modes take turns a round at a time, and each
+is timed by its own rounds, so a change in the machine's speed is shared by all of them.
 A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
-per-phase seconds add up to the total; the per-phase oracle takes, for each phase, the fastest
-static mode.
+per-phase seconds add up to the total; the per-phase oracle serves each phase at the rate of that
+phase's fastest static mode.
 
 With --url the same workload goes through a running daemon's HTTP API (/v1/completions, one
 client thread per request in flight) and the report has one row, "server": whatever the daemon
@@ -133,21 +134,27 @@ def build_controller(
         return Controller(engine, replace(params, candidate_steps=(0,), slots=()), adaptive=False, static_steps=0)
     if mode.startswith("static:"):
         k = int(mode.split(":", 1)[1])
-        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, [k])
+        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, [k], k)
         return Controller(engine, replace(params, candidate_steps=(k,), slots=()), adaptive=False, static_steps=k)
     if mode.startswith("adaptive:"):
         strategy, *overrides = mode.split(":", 1)[1].split("+")
         policy = replace(params, strategy=strategy, **dict(parse_override(o) for o in overrides))
-        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, policy.all_steps)
+        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, policy.all_steps, max(policy.all_steps))
         return Controller(engine, policy)
     raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:ema or adaptive:goodput")
 
 
 def parse_override(text: str) -> tuple[str, object]:
-    """`name=value` of a policy parameter, as in adaptive:goodput+draft_cutoff=false."""
+    """`name=value` of a policy parameter, as in adaptive:goodput+draft_cutoff=false; a list of
+    step counts is written with slashes: candidate_steps=0/3/7."""
     name, _, value = text.partition("=")
     if name not in PolicyParams.__dataclass_fields__ or not value:
         raise SystemExit(f"{text!r}: expected PARAMETER=VALUE with a policy parameter name")
+    if name == "candidate_steps":
+        try:
+            return name, tuple(int(k) for k in value.split("/"))
+        except ValueError:
+            raise SystemExit(f"{text!r}: expected step counts separated by '/'") from None
     lowered = value.lower()
     if lowered in ("true", "false"):
         return name, lowered == "true"
@@ -159,36 +166,50 @@ def parse_override(text: str) -> tuple[str, object]:
     return name, value
 
 
-def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> ModeReport:
-    report = ModeReport()
-    engine = controller.engine
-    requests = [Request(tuple(tokenizer.encode(i.prompt).ids), i.params) for i in items]
-    phase_of = {r.id: i.phase for r, i in zip(requests, items)}
-    open_loop = any(i.arrival_s is not None for i in items)
-    queue = list(zip(requests, items))
-    in_flight = 0
-    started = time.perf_counter()
-    while queue or engine.has_work:
-        now = time.perf_counter() - started
-        while queue and (
-            (open_loop and (queue[0][1].arrival_s or 0.0) <= now) or (not open_loop and in_flight < concurrency)
+class ModeRun:
+    """One mode serving the workload a round at a time, on its own clock: the wall time of its
+    own rounds (and, open loop, of waiting for the next arrival while it has nothing to do)."""
+
+    def __init__(self, controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> None:
+        self.controller = controller
+        self.concurrency = concurrency
+        self.report = ModeReport()
+        requests = [Request(tuple(tokenizer.encode(i.prompt).ids), i.params) for i in items]
+        self.phase_of = {r.id: i.phase for r, i in zip(requests, items)}
+        self.open_loop = any(i.arrival_s is not None for i in items)
+        self.queue = list(zip(requests, items))
+        self.in_flight = 0
+        self.clock = 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and not self.controller.engine.has_work
+
+    def advance(self) -> None:
+        """Submit what is due, then run one round."""
+        engine, report = self.controller.engine, self.report
+        while self.queue and (
+            (self.open_loop and (self.queue[0][1].arrival_s or 0.0) <= self.clock)
+            or (not self.open_loop and self.in_flight < self.concurrency)
         ):
-            engine.add_request(queue.pop(0)[0])
-            in_flight += 1
+            engine.add_request(self.queue.pop(0)[0])
+            self.in_flight += 1
         if not engine.has_work:
-            time.sleep(min(0.001, max(0.0, (queue[0][1].arrival_s or 0.0) - now)))
-            continue
-        round_started = time.perf_counter()
-        result = controller.step()
-        round_seconds = time.perf_counter() - round_started
+            self.clock = max(self.clock, self.queue[0][1].arrival_s or 0.0)  # idle until the next arrival
+            report.seconds = self.clock
+            return
+        started = time.perf_counter()
+        result = self.controller.step()
+        round_seconds = time.perf_counter() - started
+        self.clock += round_seconds
         emitted: dict[str, int] = defaultdict(int)
         for out in result.outputs:
-            emitted[phase_of[out.request_id]] += len(out.new_tokens)
+            emitted[self.phase_of[out.request_id]] += len(out.new_tokens)
             if out.verified:
                 report.verified += 1
                 report.accepted += out.drafts_accepted
             if out.finish_reason is not None:
-                in_flight -= 1
+                self.in_flight -= 1
         total = sum(emitted.values())
         for phase, n in emitted.items():
             report.phase_tokens[phase] += n
@@ -196,10 +217,27 @@ def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurren
         report.tokens += total
         if result.batch_size:
             report.k_rounds[result.k] += 1
-        report.timeline.append((time.perf_counter() - started, result.k, total))
-    report.seconds = time.perf_counter() - started
-    report.switches = controller.switches
-    return report
+        report.timeline.append((self.clock, result.k, total))
+        report.seconds = self.clock
+        report.switches = self.controller.switches
+
+
+def run_side_by_side(runs: list[ModeRun]) -> None:
+    """Run the modes in lockstep, one round of each in turn, until every one has served the
+    workload. A drift of the machine's speed (another tenant, the clock) lasts far longer than a
+    round, so it lands on every mode alike instead of on whichever mode ran at the time."""
+    while True:
+        live = [run for run in runs if not run.done]
+        if not live:
+            return
+        for run in live:
+            run.advance()
+
+
+def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> ModeReport:
+    run = ModeRun(controller, items, tokenizer, concurrency)
+    run_side_by_side([run])
+    return run.report
 
 
 def run_url(url: str, items: list[WorkItem], concurrency: int, timeout: float = 600.0) -> ModeReport:
@@ -289,10 +327,16 @@ def print_table(reports: dict[str, ModeReport]) -> None:
     if statics:
         best_mode = max(statics, key=lambda m: statics[m].tokens / statics[m].seconds)
         best = statics[best_mode].tokens / statics[best_mode].seconds
-        oracle_seconds = sum(min(r.phase_seconds[p] for r in statics.values()) for p in phases)
-        tokens = next(iter(statics.values())).tokens
-        oracle = tokens / oracle_seconds
-        picks = ", ".join(f"{p}: {min(statics, key=lambda m: statics[m].phase_seconds[p])}" for p in phases)
+
+        # Sampled requests may stop at EOS sooner in one mode than in another, so phases are
+        # compared by rate: the oracle serves each phase's tokens at that phase's best static rate.
+        def phase_rate(r: ModeReport, p: str) -> float:
+            return r.phase_tokens[p] / max(r.phase_seconds[p], 1e-9)
+
+        fastest = {p: max(statics, key=lambda m: phase_rate(statics[m], p)) for p in phases}
+        tokens = {p: sum(r.phase_tokens[p] for r in statics.values()) / len(statics) for p in phases}
+        oracle = sum(tokens.values()) / sum(tokens[p] / phase_rate(statics[fastest[p]], p) for p in phases)
+        picks = ", ".join(f"{p}: {fastest[p]}" for p in phases)
         print(f"best static: {best_mode} {best:.1f} tok/s; per-phase oracle: {oracle:.1f} tok/s ({picks})")
         for mode, r in reports.items():
             if mode.startswith("adaptive:"):
@@ -336,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: config, or models/draft)")
     parser.add_argument("--drafter", choices=["draft_model", "ngram"], default=None)
     parser.add_argument("--max-seq-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of every mode, interleaved; figures add up")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of all the modes side by side; figures add up")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--url", default=None, help="a running daemon's HTTP API instead of in-process modes")
@@ -376,15 +420,19 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     reports: dict[str, ModeReport] = {mode: ModeReport() for mode in modes}
     for repeat in range(args.repeats):
-        # Interleave the modes, alternating their order, so that drifts of the machine's speed
-        # are shared out instead of landing on whichever mode ran at the time.
-        for mode in modes if repeat % 2 == 0 else modes[::-1]:
-            controller = build_controller(
-                mode, target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"]
+        runs = {
+            mode: ModeRun(
+                build_controller(mode, target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"]),
+                items,
+                target.tokenizer,
+                args.concurrency,
             )
-            run = run_mode(controller, items, target.tokenizer, args.concurrency)
-            reports[mode].merge(run)
-            print(f"  {mode} (run {repeat + 1}): {run.tokens / run.seconds:.1f} tok/s", file=sys.stderr)
+            for mode in modes
+        }
+        run_side_by_side(list(runs.values()))
+        for mode, run in runs.items():
+            reports[mode].merge(run.report)
+            print(f"  {mode} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
     print_table(reports)
     if args.json:
         args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
