@@ -200,6 +200,8 @@ class Controller:
                     draft_seconds=result.draft_seconds,
                     verify_seconds=result.verify_seconds,
                     confidence=tuple(o.draft_confidence for o in verified),
+                    sampled=tuple(o.draft_sampled for o in verified),
+                    acceptance=tuple(o.draft_acceptance for o in verified),
                 )
             )
         else:

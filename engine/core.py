@@ -74,6 +74,8 @@ class SequenceOutput:
     drafts_accepted: int
     verified: bool  # took part in the round (False for the first token, from the prefill)
     draft_confidence: tuple[float, ...] = ()  # the drafter's probability of each proposed token
+    draft_sampled: bool = False  # the drafts were sampled (else the drafter's greedy choices)
+    draft_acceptance: float = 0.5  # the sequence's recent acceptance when they were drafted
 
 
 @dataclass
@@ -316,6 +318,7 @@ class Engine:
         accepted = []
         for seq, proposal, tokens in zip(seqs, proposals, emitted):
             kept = len(tokens) - 1
+            seq.record_acceptance(len(proposal.tokens), kept)
             new = self._append(seq, tokens)
             # The target cache keeps every emitted token but the newest (fed next round).
             self.cache.truncate(seq.slot, min(self.cache.lengths[seq.slot], len(seq.tokens) - 1))
@@ -331,6 +334,8 @@ class Engine:
                 kept,
                 verified=True,
                 draft_confidence=tuple(proposal.confidence),
+                draft_sampled=proposal.sampled,
+                draft_acceptance=proposal.acceptance,
             )
             accepted.append(kept)
         if self.drafter is not None:

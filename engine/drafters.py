@@ -41,6 +41,8 @@ class Proposal:
     probs: Tensor | None = None  # [len(tokens), V] the drafter's distribution, or None if one-hot
     # The drafter's probability of each proposed token (empty where it has none, as for n-grams).
     confidence: list[float] = field(default_factory=list)
+    sampled: bool = False  # drawn from `probs` (else the drafter's greedy choice)
+    acceptance: float = 0.5  # the sequence's recent acceptance when it was drafted (Sequence.acceptance)
 
 
 class Drafter(Protocol):
@@ -116,7 +118,7 @@ class DraftModelDrafter:
         return out.logits[:, -1]
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None) -> list[Proposal]:
-        proposals = [Proposal([]) for _ in seqs]
+        proposals = [Proposal([], sampled=not seq.params.greedy, acceptance=seq.acceptance) for seq in seqs]
         probs: list[list[Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         inputs = {i: seqs[i].tokens[self.cache.lengths[seqs[i].draft_slot] :] for i in active}
@@ -137,8 +139,8 @@ class DraftModelDrafter:
                 proposals[i].confidence.append(confidence)
                 inputs[i] = [token]
             active = [i for i in active if len(proposals[i].tokens) < ks[i]]
-            if active and keep_drafting is not None and not keep_drafting([proposals[i].confidence for i in active]):
-                break
+            if active and keep_drafting is not None:
+                active = [i for i, keep in zip(active, keep_drafting([proposals[i] for i in active])) if keep]
         for i, q in enumerate(probs):
             if q:
                 proposals[i].probs = torch.stack(q)

@@ -101,6 +101,8 @@ class Observation:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     confidence: tuple[tuple[float, ...], ...] = ()  # the drafter's confidence in each proposed token
+    sampled: tuple[bool, ...] = ()  # whether each request samples (else greedy): see Calibration
+    acceptance: tuple[float, ...] = ()  # each request's recent acceptance when it drafted
 
     @property
     def batch_size(self) -> int:
@@ -134,9 +136,22 @@ class Policy(Protocol):
         ...
 
 
-# Asked by a drafter after each draft step, with the confidences so far of every sequence still
-# drafting: True takes another step, False ends drafting for this round.
-KeepDrafting = Callable[[Seq[Seq[float]]], bool]
+class DraftChain(Protocol):
+    """One sequence's drafts so far in a round, as the draft cutoff sees them."""
+
+    @property
+    def confidence(self) -> Seq[float]: ...
+
+    @property
+    def sampled(self) -> bool: ...
+
+    @property
+    def acceptance(self) -> float: ...
+
+
+# Asked by a drafter after each draft step, with the chains of every sequence still drafting:
+# which of them should draft another token (all False ends drafting for this round).
+KeepDrafting = Callable[[Seq[DraftChain]], list[bool]]
 
 
 def snap(k: int, candidates: Seq[int]) -> int:
@@ -249,13 +264,19 @@ class LinearFit:
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
-    def slope(self) -> float:
+    @property
+    def varied(self) -> bool:
+        """Whether x has taken more than one value: only then is there a slope to go on."""
         if self.n == 0:
+            return False
+        mx = self.sx / self.n
+        return self.sxx / self.n - mx * mx > 1e-6 * max(mx * mx, 1.0)
+
+    def slope(self) -> float:
+        if not self.varied:
             return 0.0
         mx, my = self.sx / self.n, self.sy / self.n
         var = self.sxx / self.n - mx * mx
-        if var <= 1e-6 * max(mx * mx, 1.0):
-            return 0.0  # one x seen so far: no slope to go on yet
         return max(0.0, (self.sxy / self.n - mx * my) / var)  # more tokens never cost less
 
     def predict(self, x: float) -> float | None:
@@ -267,25 +288,33 @@ class LinearFit:
 
 @dataclass
 class CostModel:
-    """What a round costs: measured where this (k, batch size) has run, fitted elsewhere.
+    """What a round costs: measured where this (drafts, batch size) has run, fitted elsewhere.
 
-    Verify time is fitted against the tokens the target processes (batch * (k + 1)); draft time
-    per step against the batch size. A batch of 16 on a CPU pays for 8 verify tokens each as it
-    pays for one at batch 1 only while the matrix products stay memory-bound: the fit learns
-    where that stops from the rounds it sees.
+    Verify time is fitted against the tokens the target processes (batch * (drafts + 1)). A
+    batch of 16 on a CPU pays for 8 verify tokens each as it pays for one at batch 1 only while
+    the matrix products stay memory-bound: the fit learns where that stops from the rounds it
+    sees. Rounds are keyed by how far they drafted, not by their k, since the cutoff and
+    max_tokens end drafting early.
+
+    Draft time is fitted against the draft steps of each batch size once rounds of different
+    lengths have run: the first step, which also feeds the tokens verification kept, costs more
+    than the others, and pricing every step at the average would make short rounds look dearer
+    per step than they are. Until then it is priced per step, fitted against the batch size.
     """
 
     smoothing: float = 0.2
     fresh_rounds: int = 50  # a direct measurement older than this many rounds gives way to the fit
-    verify: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, batch) -> seconds
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)  # (drafts, batch) -> seconds
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
     last_seen: dict[tuple[int, int], int] = field(default_factory=dict)
     rounds: int = 0
     verify_fit: LinearFit = field(default_factory=LinearFit)
     draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
+    draft_by_steps: dict[int, LinearFit] = field(default_factory=dict)  # batch -> seconds by steps
 
     def record(self, observation: Observation) -> None:
-        key = (observation.k, observation.batch_size)
+        steps = max(observation.proposed, default=0)
+        key = (steps, observation.batch_size)
         old = self.verify.get(key)
         seconds = observation.verify_seconds
         self.verify[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
@@ -293,9 +322,24 @@ class CostModel:
         self.rounds += 1
         self.last_seen[key] = self.rounds
         self.verify_fit.add(observation.batch_size + sum(observation.proposed), seconds)
-        steps = max(observation.proposed, default=0)
         if steps > 0:
             self.draft_fit.add(observation.batch_size, observation.draft_seconds / steps)
+            self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(steps, observation.draft_seconds)
+
+    def draft_seconds(self, steps: int, batch_size: int) -> float | None:
+        fit = self.draft_by_steps.get(batch_size)
+        if fit is not None and fit.varied:
+            # Far from the lengths seen, the line can cross zero: no step is free.
+            return max(fit.predict(steps) or 0.0, steps * fit.slope())
+        per_step = self.draft_fit.predict(batch_size)
+        return None if per_step is None else steps * per_step
+
+    def draft_step_seconds(self, batch_size: int) -> float | None:
+        """What one more draft step costs at this batch size."""
+        fit = self.draft_by_steps.get(batch_size)
+        if fit is not None and fit.varied:
+            return fit.slope()
+        return self.draft_fit.predict(batch_size)
 
     def round_seconds(self, k: int, batch_size: int) -> float | None:
         key = (k, batch_size)
@@ -309,38 +353,49 @@ class CostModel:
             return None
         if k == 0:
             return verify
-        per_step = self.draft_fit.predict(batch_size)
-        return None if per_step is None else verify + k * per_step
+        drafting = self.draft_seconds(k, batch_size)
+        return None if drafting is None else verify + drafting
 
 
 @dataclass
 class Calibration:
-    """How often a draft token is kept, by the drafter's confidence in it (its probability).
+    """How often a draft token is kept, by the drafter's confidence in it (its probability) and
+    by how much of the sequence's recent drafts the target kept.
 
-    Confidences are binned; each bin's rate starts at the bin's middle (a drafter that is right
-    as often as it says) and follows what verification shows, since a distilled draft is often
-    over- or under-confident, and sampling keeps a token with min(1, p/q), not q.
+    Both are binned; each cell's rate starts at the recent-acceptance bin's middle and follows
+    what verification shows, since a distilled draft is often over- or under-confident. The recent
+    acceptance matters as much as the confidence: a sequence that is repeating itself keeps
+    nearly every draft even where the drafter's top probability is 0.3. Greedy and sampled
+    drafts need a table each: a greedy draft is kept when it is the target's argmax, so its top
+    probability says how likely that is; a sampled one is kept with min(1, p/q), so a draft with
+    a flat distribution (a low q) that matches a flat target is kept as often as a confident one.
     """
 
     bins: int = 10
-    alpha: float = 0.02
-    rates: list[float] = field(default_factory=list)
+    recent_bins: tuple[float, ...] = (0.5, 0.75, 0.9)  # upper edges of the recent-acceptance bins
+    alpha: float = 0.05
+    rates: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.rates:
-            self.rates = [(b + 0.5) / self.bins for b in range(self.bins)]
+            edges = (0.0, *self.recent_bins, 1.0)
+            recent_middles = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
+            self.rates = [[r] * self.bins for r in recent_middles]
 
-    def _bin(self, confidence: float) -> int:
-        return min(max(int(confidence * self.bins), 0), self.bins - 1)
+    def _cell(self, confidence: float, recent: float) -> tuple[int, int]:
+        row = sum(recent >= edge for edge in self.recent_bins)
+        return row, min(max(int(confidence * self.bins), 0), self.bins - 1)
 
-    def probability(self, confidence: float) -> float:
-        return self.rates[self._bin(confidence)]
+    def probability(self, confidence: float, recent: float) -> float:
+        row, column = self._cell(confidence, recent)
+        return self.rates[row][column]
 
-    def learn(self, confidence: Seq[float], accepted: int) -> None:
+    def learn(self, confidence: Seq[float], accepted: int, recent: float) -> None:
         # Drafts after the first rejected one were never judged: they teach nothing.
         for j, c in enumerate(confidence[: accepted + 1]):
-            b = self._bin(c)
-            self.rates[b] += self.alpha * ((1.0 if j < accepted else 0.0) - self.rates[b])
+            row, column = self._cell(c, recent)
+            rates = self.rates[row]
+            rates[column] += self.alpha * ((1.0 if j < accepted else 0.0) - rates[column])
 
 
 class GoodputPolicy:
@@ -354,11 +409,13 @@ class GoodputPolicy:
     the batch grows. k = 0 is chosen when no k > 0 beats plain decoding; from there the smallest
     k > 0 is probed every `probe_interval` rounds.
 
-    With `draft_cutoff`, k is the most a round drafts: after each draft step the policy weighs
-    the tokens another step is expected to add (the chance that every draft so far survives,
-    from the drafter's calibrated confidence, times the next position's rate) against what the
-    step costs (a draft step, and one more verified token per sequence) at the throughput the
-    rounds measure. Confident chains run long and doubtful ones stop, round by round.
+    With `draft_cutoff`, k is the most a round drafts, and the policy only decides whether to
+    draft at all (k = 0 or the largest candidate): after each draft step it weighs, for each
+    sequence, the tokens another draft is expected to add (the chance that every draft so far
+    survives, from the drafter's calibrated confidence, times the next position's rate) against
+    what it costs at the throughput the rounds measure: one more verified token for that
+    sequence, and a draft step shared by all that go on. Confident chains run long and doubtful
+    ones stop, sequence by sequence and round by round.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -367,7 +424,7 @@ class GoodputPolicy:
         self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
         self.position_rates: list[float] = []
         self.costs = CostModel()
-        self.calibration = Calibration()
+        self.calibration = {False: Calibration(), True: Calibration()}  # by whether drafts are sampled
         self.batch_size = 1
         self.throughput: dict[int, float] = {}  # measured tokens per second of rounds, by batch size
         self.batches = 0
@@ -422,15 +479,18 @@ class GoodputPolicy:
         self.costs.record(observation)
         self.batch_size = observation.batch_size
         self._measure_throughput(observation)
-        for confidence, accepted in zip(observation.confidence, observation.accepted):
-            self.calibration.learn(confidence, accepted)
+        n = len(observation.confidence)
+        sampled = observation.sampled or (False,) * n
+        recent = observation.acceptance or (0.5,) * n
+        for confidence, accepted, kind, r in zip(observation.confidence, observation.accepted, sampled, recent):
+            self.calibration[kind].learn(confidence, accepted, r)
         if self._steps == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:
                 self.rounds_at_zero = 0
                 # Decide again after one interval of probing (the warm-up was done long ago).
                 self.batches = self.params.warmup_batches
-                self._steps = self.candidates[1]
+                self._steps = self._speculating_steps(self.candidates[1])
                 return Decision(self._steps, "probe", self.ema)
             return None
         self._learn(observation)
@@ -451,20 +511,39 @@ class GoodputPolicy:
     def draft_cutoff(self) -> KeepDrafting | None:
         return self.keep_drafting if self.params.draft_cutoff else None
 
-    def keep_drafting(self, confidences: Seq[Seq[float]]) -> bool:
+    def keep_drafting(self, chains: Seq[DraftChain]) -> list[bool]:
         batch = self.batch_size
         rate = self.throughput.get(batch) or self.goodput(self._steps, batch)
-        step_seconds = self.costs.draft_fit.predict(batch)
+        step_seconds = self.costs.draft_step_seconds(batch)
         if rate is None or step_seconds is None:
-            return True  # nothing measured yet: draft the full k
-        gain = 0.0
-        for confidence in confidences:
+            return [True] * len(chains)  # nothing measured yet: draft the full k
+        token_price = rate * self.costs.verify_fit.slope()  # tokens forgone by verifying one more
+        # Look ahead to the ceiling, not one step: deeper drafts of a chain that survived so far
+        # are often kept more readily (the chain is in an easy stretch), so a step that does
+        # not pay alone can open the way to ones that do.
+        horizon = max(1, self._steps - min(len(chain.confidence) for chain in chains))
+        best_by_depth = [0.0] * horizon  # summed over chains: the best net gain within h + 1 steps
+        keep = []
+        for chain in chains:
             survive = 1.0
-            for c in confidence:
-                survive *= self.calibration.probability(c)
-            gain += survive * self._rate(len(confidence))
-        cost = step_seconds + self.costs.verify_fit.slope() * len(confidences)
-        return gain >= rate * cost
+            calibration = self.calibration[chain.sampled]
+            for c in chain.confidence:
+                survive *= calibration.probability(c, chain.acceptance)
+            net, best = 0.0, 0.0
+            for h in range(horizon):
+                survive *= self._rate(len(chain.confidence) + h)
+                net += survive - token_price
+                best = max(best, net)
+                best_by_depth[h] += best
+            keep.append(best > 0)
+        step_price = rate * step_seconds
+        if all(gain <= (h + 1) * step_price for h, gain in enumerate(best_by_depth)):
+            return [False] * len(chains)
+        return keep
+
+    def _speculating_steps(self, k: int) -> int:
+        # With the cutoff, each round stops drafting where it stops paying: k is only a ceiling.
+        return self.candidates[-1] if self.params.draft_cutoff and k > 0 else k
 
     def goodput(self, k: int, batch_size: int) -> float | None:
         seconds = self.costs.round_seconds(k, batch_size)
@@ -475,12 +554,22 @@ class GoodputPolicy:
     def _choose(self, batch_size: int) -> Decision | None:
         estimates = {k: self.goodput(k, batch_size) for k in self.candidates}
         known = {k: v for k, v in estimates.items() if v is not None}
+        if self.params.draft_cutoff:
+            # Whatever k drafting with a full chain would favour, the cutoff does at least as well
+            # from the ceiling: the choice left is whether to draft at all.
+            drafting = [v for k, v in known.items() if k > 0]
+            known = {k: v for k, v in known.items() if k == 0}
+            if drafting:
+                known[self.candidates[-1]] = max(drafting)
         self.last_goodput = known
-        current = known.get(self._steps)
+        here = self._speculating_steps(self._steps)  # a forced k below the ceiling moves up to it
+        current = known.get(here)
         if current is None:
             return None
         best = max(known, key=lambda k: known[k])
-        if best == self._steps or known[best] <= current * (1 + self.params.switch_margin):
+        if known[best] <= current * (1 + self.params.switch_margin):
+            best = here
+        if best == self._steps:
             return None
         self._steps = best
         self.rounds_at_zero = 0

@@ -43,6 +43,15 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     draft_slot: int | None = None  # the drafter's own cache slot, if it has one
+    # Share of its recently judged drafts the target kept: a sequence that is copying a pattern
+    # keeps nearly all of them even where the drafter sounds unsure (see policy.Calibration).
+    acceptance: float = 0.5
+
+    def record_acceptance(self, proposed: int, kept: int) -> None:
+        # Drafts after the first rejected one were never judged.
+        judged = min(proposed, kept + 1)
+        if judged:
+            self.acceptance += 0.3 * (kept / judged - self.acceptance)
 
     @property
     def params(self) -> SamplingParams:

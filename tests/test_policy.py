@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from engine.drafters import Proposal
 from engine.policy import (
     BatchSlot,
     Calibration,
@@ -196,22 +197,27 @@ def goodput_feed(policy: GoodputPolicy, acceptance: float, rounds: int, batch_si
     return decisions
 
 
+# Without the cutoff, goodput chooses among every candidate k; with it, only between k = 0 and the
+# ceiling (tested further down).
+FULL_CHAINS = PolicyParams(strategy="goodput", candidate_steps=(0, 1, 3, 5, 7), draft_cutoff=False)
+
+
 def test_goodput_climbs_to_a_long_chain_when_drafts_are_good_and_cheap():
-    params = PolicyParams(strategy="goodput", candidate_steps=(0, 1, 3, 5, 7))
+    params = FULL_CHAINS
     policy = GoodputPolicy(params, 1)
     goodput_feed(policy, 0.95, 120)
     assert policy.steps == 7
 
 
 def test_goodput_settles_on_a_short_chain_when_acceptance_is_middling():
-    params = PolicyParams(strategy="goodput", candidate_steps=(0, 1, 3, 5, 7))
+    params = FULL_CHAINS
     policy = GoodputPolicy(params, 7)
     goodput_feed(policy, 0.5, 120, per_step=0.004)
     assert policy.steps in (1, 3)
 
 
 def test_goodput_turns_speculation_off_when_drafts_are_hopeless_and_probes_back():
-    params = PolicyParams(strategy="goodput", candidate_steps=(0, 1, 3), probe_interval=20)
+    params = replace(FULL_CHAINS, candidate_steps=(0, 1, 3), probe_interval=20)
     policy = GoodputPolicy(params, 3)
     decisions = goodput_feed(policy, 0.0, 60)
     assert policy.steps == 0 or any(d.reason == "probe" for d in decisions)
@@ -221,7 +227,7 @@ def test_goodput_turns_speculation_off_when_drafts_are_hopeless_and_probes_back(
 
 
 def test_goodput_does_not_flap_between_near_equal_choices():
-    params = PolicyParams(strategy="goodput", candidate_steps=(3, 4), switch_margin=0.10)
+    params = replace(FULL_CHAINS, candidate_steps=(3, 4), switch_margin=0.10)
     policy = GoodputPolicy(params, 3)
     decisions = goodput_feed(policy, 0.7, 200, per_step=0.003)
     assert len(decisions) <= 2
@@ -240,22 +246,30 @@ def test_goodput_expected_tokens_from_position_rates():
 
 def test_calibration_learns_how_often_each_confidence_is_kept_from_judged_drafts_only():
     calibration = Calibration()
-    assert calibration.probability(0.95) == pytest.approx(0.95)  # trusts the drafter at first
+    assert calibration.probability(0.95, recent=0.95) == pytest.approx(0.95)  # trusts the history at first
     for _ in range(300):
         # Confident first drafts are always kept; the doubtful second one never is; the third
         # was never judged (the second was rejected), so it must not count against 0.95.
-        calibration.learn([0.95, 0.35, 0.95], accepted=1)
-    assert calibration.probability(0.95) > 0.99
-    assert calibration.probability(0.35) < 0.01
-    assert calibration.probability(0.05) == pytest.approx(0.05)  # no evidence, no change
+        calibration.learn([0.95, 0.35, 0.95], accepted=1, recent=0.95)
+    assert calibration.probability(0.95, recent=0.95) > 0.99
+    assert calibration.probability(0.35, recent=0.95) < 0.01
+    assert calibration.probability(0.05, recent=0.95) == pytest.approx(0.95)  # no evidence, no change
+    assert calibration.probability(0.35, recent=0.3) == pytest.approx(0.25)  # another history: its own cell
 
 
-def cutoff_policy(draft_seconds: float, verify_seconds: float = 0.010) -> GoodputPolicy:
-    """A goodput policy at k = 7 that has measured rounds at its cost."""
+def chain(*confidence: float, sampled: bool = False, recent: float = 0.5) -> Proposal:
+    return Proposal([0] * len(confidence), confidence=list(confidence), sampled=sampled, acceptance=recent)
+
+
+def cutoff_policy(draft_seconds: float, verify_seconds: float = 0.010, per_token: float = 0.0002) -> GoodputPolicy:
+    """A goodput policy at k = 7 that has measured rounds of 4 and 7 drafts at their cost: each
+    draft step costs `draft_seconds`, each verified token `per_token` more."""
     policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,), draft_cutoff=True), 7)
-    for _ in range(30):
-        confidence = ((0.95,) * 7, (0.95,) * 4 + (0.2,) * 3)
-        policy.observe(Observation(7, (7, 4), (7, 7), 7 * draft_seconds, verify_seconds, confidence))
+    for i in range(30):
+        n = 7 if i % 2 else 4
+        confidence = ((0.95,) * n, (0.95,) * 4 + (0.2,) * (n - 4))
+        verify = verify_seconds + per_token * 2 * (n + 1)
+        policy.observe(Observation(7, (n, 4), (n, n), n * draft_seconds, verify, confidence))
     return policy
 
 
@@ -263,15 +277,70 @@ def test_cutoff_drafts_on_while_confident_and_stops_when_the_chain_is_doubtful()
     policy = cutoff_policy(draft_seconds=0.001)
     keep = policy.draft_cutoff()
     assert keep is not None
-    assert keep([[0.95, 0.95, 0.95]])  # the chain very likely survives: worth another step
-    assert not keep([[0.95, 0.2, 0.2]])  # it almost surely broke already
+    assert keep([chain(0.95, 0.95, 0.95)]) == [True]  # the chain very likely survives: worth another step
+    assert keep([chain(0.95, 0.2, 0.2)]) == [False]  # it almost surely broke already
 
 
 def test_cutoff_weighs_the_cost_of_a_draft_step():
     cheap, dear = cutoff_policy(draft_seconds=0.0002), cutoff_policy(draft_seconds=0.004)
-    chain = [[0.95, 0.95, 0.55]]  # survives about half the time
-    assert cheap.keep_drafting(chain)
-    assert not dear.keep_drafting(chain)
+    survives_half_the_time = [chain(0.95, 0.95, 0.55)]
+    assert cheap.keep_drafting(survives_half_the_time) == [True]
+    assert dear.keep_drafting(survives_half_the_time) == [False]
+
+
+def test_cutoff_stops_each_sequence_on_its_own_chain():
+    policy = cutoff_policy(draft_seconds=0.0005)
+    chains = [chain(0.95, 0.95), chain(0.95, 0.2, 0.2), chain(0.95, 0.95)]
+    assert policy.keep_drafting(chains) == [True, False, True]
+
+
+def test_cutoff_calibrates_sampled_drafts_apart_from_greedy_ones():
+    """At temperature 1 a flat draft distribution (low q) that matches a flat target is kept as
+    often as a confident one; greedy drafts at the same confidence are mostly rejected."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+    for i in range(300):
+        n = 7 if i % 2 else 4
+        verify = 0.010 + 0.0002 * 2 * (n + 1)
+        flat = ((0.05,) * n, (0.05,) * n)
+        policy.observe(Observation(7, (0, min(5, n)), (n, n), n * 0.0005, verify, flat, sampled=(False, True)))
+    assert policy.calibration[False].probability(0.05, recent=0.5) < 0.1
+    assert policy.calibration[True].probability(0.05, recent=0.5) > 0.65
+    doubtful = policy.keep_drafting([chain(0.05, 0.05), chain(0.05, 0.05, sampled=True)])
+    assert doubtful == [False, True]
+
+
+def test_cutoff_trusts_a_sequence_that_keeps_its_drafts_even_where_the_drafter_sounds_unsure():
+    """A sequence repeating a pattern keeps every draft although the drafter's top probability is
+    0.3; another at the same confidence keeps few. Each is judged by what its kind of sequence does."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+    for i in range(200):
+        n = 7 if i % 2 else 4
+        verify = 0.010 + 0.0002 * 2 * (n + 1)
+        unsure = ((0.3,) * n, (0.3,) * n)
+        policy.observe(Observation(7, (n, 0), (n, n), n * 0.0005, verify, unsure, acceptance=(0.97, 0.4)))
+    chains = [chain(0.3, 0.3, 0.3, recent=0.97), chain(0.3, 0.3, 0.3, recent=0.4)]
+    assert policy.keep_drafting(chains) == [True, False]
+
+
+def test_cutoff_prices_a_draft_step_at_its_marginal_cost():
+    """The first draft step also feeds the tokens verification kept: it costs more than the next
+    ones, and the cutoff must weigh the next step, not the average."""
+    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7)
+    for round_ in range(60):
+        steps = 1 + round_ % 7
+        policy.observe(Observation(7, (steps,), (steps,), 0.003 + 0.0005 * steps, 0.010, ((0.9,) * steps,)))
+    assert policy.costs.draft_step_seconds(1) == pytest.approx(0.0005, rel=0.01)
+    assert policy.costs.round_seconds(7, 1) == pytest.approx(0.0065 + 0.010, rel=0.05)
+
+
+def test_goodput_with_the_cutoff_chooses_between_no_drafting_and_the_ceiling():
+    params = PolicyParams(strategy="goodput", candidate_steps=(0, 1, 3, 5, 7), probe_interval=20)
+    policy = GoodputPolicy(params, 3)
+    goodput_feed(policy, 0.5, 60, per_step=0.001)  # middling drafts: a short chain would be best
+    assert policy.steps == 7  # and the cutoff ends the chains there, round by round
+    decisions = goodput_feed(policy, 0.0, 60, per_step=0.004)
+    assert any(d.steps == 0 for d in decisions)  # hopeless drafts: no drafting at all
+    assert any(d.reason == "probe" and d.steps == 7 for d in decisions)  # probing drafts up to the ceiling
 
 
 def test_cutoff_is_off_for_ema_and_when_disabled():

@@ -15,7 +15,7 @@ from engine.core import Engine
 from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.generate import generate
 from engine.model import ForwardBatch
-from engine.request import Request
+from engine.request import Request, Sequence
 from engine.sampling import SamplingParams, target_probs
 from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model
 
@@ -279,17 +279,27 @@ def test_greedy_stays_lossless_when_drafting_is_cut_short(pair):
     engine = Engine(target, make_drafter("draft_model", draft, 4), 4, MAX_SEQ_LEN, [7])
     asked = []
 
-    def keep_drafting(confidences):
-        # Any rule that reads only the drafts is allowed; this one stops about a third of the time.
-        asked.append(len(confidences))
-        return int(sum(c[-1] for c in confidences) * 1000) % 3 != 0
+    def keep_drafting(chains):
+        # Any rule that reads only the drafts is allowed; this one stops a sequence about a third
+        # of the time, so the batch's chains end at different lengths.
+        asked.append(len(chains))
+        return [int(chain.confidence[-1] * 1000) % 3 != 0 for chain in chains]
 
     engine.keep_drafting = keep_drafting
     requests = [Request(tuple(p), params) for p in PROMPTS]
-    outputs = engine.run_until_done(requests)
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    chain_lengths = []
+    while engine.has_work:
+        result = engine.step()
+        chain_lengths.append(sorted(o.drafts_proposed for o in result.outputs if o.verified))
+        for out in result.outputs:
+            outputs[out.request_id].extend(out.new_tokens)
     assert [outputs[r.id] for r in requests] == expected
-    proposed = engine.state.stats.proposed_at
-    assert asked and proposed[0] > proposed[-1]  # some rounds stopped before 7 drafts
+    assert asked
+    # Within the first rounds (far from max_tokens), chains of one batch ended at different lengths.
+    assert any(len(set(lengths)) > 1 and lengths[-1] < 7 for lengths in chain_lengths[1:4])
 
 
 def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_vocab_pair):
@@ -301,7 +311,7 @@ def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_
         marginals = exact_marginals(target, prompt, base, 3)
     draws = 1500
     engine = Engine(target, make_drafter("draft_model", draft, 16), 16, 32, [3])
-    engine.keep_drafting = lambda confidences: sum(c[-1] for c in confidences) / len(confidences) > 0.4
+    engine.keep_drafting = lambda chains: [chain.confidence[-1] > 0.4 for chain in chains]
     requests = [
         Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
         for s in range(draws)
@@ -310,3 +320,15 @@ def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_
     proposed = engine.state.stats.proposed_at
     assert proposed[0] > proposed[-1] > 0  # cut in some rounds, not in all
     assert_follows_marginals(outputs, requests, marginals)
+
+
+def test_a_sequence_tracks_the_share_of_its_judged_drafts_the_target_kept():
+    seq = Sequence(Request((1, 2)), slot=0, generator=None, tokens=[1, 2])
+    for _ in range(30):
+        seq.record_acceptance(proposed=7, kept=7)
+    assert seq.acceptance > 0.99
+    before = seq.acceptance
+    seq.record_acceptance(proposed=7, kept=2)  # 2 of 3 judged: drafts after a rejection never are
+    assert seq.acceptance == pytest.approx(before + 0.3 * (2 / 3 - before))
+    seq.record_acceptance(proposed=0, kept=0)  # nothing drafted: nothing learnt
+    assert seq.acceptance == pytest.approx(before + 0.3 * (2 / 3 - before))
