@@ -411,10 +411,10 @@ class GoodputPolicy:
 
     With `draft_cutoff`, k is the most a round drafts, and the policy only decides whether to
     draft at all (k = 0 or the largest candidate): after each draft step it weighs, for each
-    sequence, the tokens another draft is expected to add (the chance that every draft so far
-    survives, from the drafter's calibrated confidence, times the next position's rate) against
-    what it costs at the throughput the rounds measure: one more verified token for that
-    sequence, and a draft step shared by all that go on. Confident chains run long and doubtful
+    sequence, the tokens the drafts ahead are expected to add (the chance that every draft so far
+    survives, from the drafter's calibrated confidence, times the rates of the positions ahead)
+    against what they cost at the throughput the rounds measure: a verified token each for that
+    sequence, and draft steps shared by all that go on. Confident chains run long and doubtful
     ones stop, sequence by sequence and round by round.
     """
 
