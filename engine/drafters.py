@@ -6,8 +6,9 @@ Every drafter follows the same protocol, so the engine never asks which one it h
 - `propose(seqs, ks, keep_drafting)`: up to `ks[i]` draft tokens for sequence i, with the
   drafter's probabilities for each (None means the proposal is deterministic: a one-hot
   distribution) and its confidence in each token. A drafter that drafts step by step asks
-  `keep_drafting` after each step whether another is worth its cost; the question depends only
-  on the drafter's own state, never on the target's, so the output distribution is unchanged;
+  `keep_drafting` after each step which sequences should draft another token; the question
+  depends only on the drafts so far, never on the target, so the output distribution is
+  unchanged;
 - `accept(seqs, accepted, hidden)`: after verification, `accepted[i]` drafts of sequence i were
   kept and `seq.tokens` already holds them plus the target's token; roll back the rest;
 - `release(seq)`: the sequence left.
