@@ -373,34 +373,29 @@ class Calibration:
 
     bins: int = 10
     recent_bins: tuple[float, ...] = (0.5, 0.75, 0.9)  # upper edges of the recent-acceptance bins
-    depths: int = 3  # positions 0, 1, and 2 onwards in the chain
     alpha: float = 0.05
-    rates: list[list[list[float]]] = field(default_factory=list)  # [depth][recent][confidence]
+    rates: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.rates:
             edges = (0.0, *self.recent_bins, 1.0)
             recent_middles = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
-            self.rates = [[[r] * self.bins for r in recent_middles] for _ in range(self.depths)]
+            self.rates = [[r] * self.bins for r in recent_middles]
 
-    def _row(self, recent: float, depth: int) -> list[float]:
-        return self.rates[min(depth, self.depths - 1)][sum(recent >= edge for edge in self.recent_bins)]
+    def _cell(self, confidence: float, recent: float) -> tuple[int, int]:
+        row = sum(recent >= edge for edge in self.recent_bins)
+        return row, min(max(int(confidence * self.bins), 0), self.bins - 1)
 
-    def _column(self, confidence: float) -> int:
-        return min(max(int(confidence * self.bins), 0), self.bins - 1)
-
-    def probability(self, confidence: float, recent: float, depth: int) -> float:
-        """P(the draft at `depth` is kept | every draft before it was)."""
-        return self._row(recent, depth)[self._column(confidence)]
+    def probability(self, confidence: float, recent: float) -> float:
+        row, column = self._cell(confidence, recent)
+        return self.rates[row][column]
 
     def learn(self, confidence: Seq[float], accepted: int, recent: float) -> None:
-        # Drafts after the first rejected one were never judged: they teach nothing. A draft
-        # judged at depth j was judged because the j before it were kept, so each depth's rate
-        # is conditional on survival: deep in a chain that held, drafts are kept more readily
-        # than their confidence alone says.
+        # Drafts after the first rejected one were never judged: they teach nothing.
         for j, c in enumerate(confidence[: accepted + 1]):
-            row, column = self._row(recent, j), self._column(c)
-            row[column] += self.alpha * ((1.0 if j < accepted else 0.0) - row[column])
+            row, column = self._cell(c, recent)
+            rates = self.rates[row]
+            rates[column] += self.alpha * ((1.0 if j < accepted else 0.0) - rates[column])
 
 
 class GoodputPolicy:
@@ -532,8 +527,8 @@ class GoodputPolicy:
         for chain in chains:
             survive = 1.0
             calibration = self.calibration[chain.sampled]
-            for depth, c in enumerate(chain.confidence):
-                survive *= calibration.probability(c, chain.acceptance, depth)
+            for c in chain.confidence:
+                survive *= calibration.probability(c, chain.acceptance)
             net, best = 0.0, 0.0
             for h in range(horizon):
                 survive *= self._rate(len(chain.confidence) + h)

@@ -246,30 +246,15 @@ def test_goodput_expected_tokens_from_position_rates():
 
 def test_calibration_learns_how_often_each_confidence_is_kept_from_judged_drafts_only():
     calibration = Calibration()
-    assert calibration.probability(0.95, recent=0.95, depth=0) == pytest.approx(0.95)  # trusts the history
+    assert calibration.probability(0.95, recent=0.95) == pytest.approx(0.95)  # trusts the history at first
     for _ in range(300):
         # Confident first drafts are always kept; the doubtful second one never is; the third
         # was never judged (the second was rejected), so it must not count against 0.95.
         calibration.learn([0.95, 0.35, 0.95], accepted=1, recent=0.95)
-    assert calibration.probability(0.95, recent=0.95, depth=0) > 0.99
-    assert calibration.probability(0.35, recent=0.95, depth=1) < 0.01
-    assert calibration.probability(0.95, recent=0.95, depth=2) == pytest.approx(0.95)  # never judged
-    assert calibration.probability(0.35, recent=0.3, depth=1) == pytest.approx(0.25)  # another history
-
-
-def test_calibration_is_conditional_on_the_chain_surviving_so_far():
-    """Deep in a chain that held, drafts are kept more readily than a first draft of the same
-    confidence: each depth learns its own rate."""
-    calibration = Calibration()
-    for i in range(400):
-        # Half the chains break at once; those that survive their first draft keep the rest.
-        calibration.learn([0.5] * 5, accepted=0 if i % 2 else 5, recent=0.6)
-    assert calibration.probability(0.5, recent=0.6, depth=0) == pytest.approx(0.5, abs=0.1)
-    assert calibration.probability(0.5, recent=0.6, depth=3) > 0.99
-    survive = 1.0
-    for depth in range(5):
-        survive *= calibration.probability(0.5, recent=0.6, depth=depth)
-    assert survive == pytest.approx(0.5, abs=0.1)  # the chance all five are kept, not 0.5 ** 5
+    assert calibration.probability(0.95, recent=0.95) > 0.99
+    assert calibration.probability(0.35, recent=0.95) < 0.01
+    assert calibration.probability(0.05, recent=0.95) == pytest.approx(0.95)  # no evidence, no change
+    assert calibration.probability(0.35, recent=0.3) == pytest.approx(0.25)  # another history: its own cell
 
 
 def chain(*confidence: float, sampled: bool = False, recent: float = 0.5) -> Proposal:
@@ -305,7 +290,7 @@ def test_cutoff_weighs_the_cost_of_a_draft_step():
 
 def test_cutoff_stops_each_sequence_on_its_own_chain():
     policy = cutoff_policy(draft_seconds=0.0005)
-    chains = [chain(0.95, 0.95), chain(0.95, 0.2, 0.2, 0.2), chain(0.95, 0.95)]
+    chains = [chain(0.95, 0.95), chain(0.95, 0.2, 0.2), chain(0.95, 0.95)]
     assert policy.keep_drafting(chains) == [True, False, True]
 
 
@@ -318,8 +303,8 @@ def test_cutoff_calibrates_sampled_drafts_apart_from_greedy_ones():
         verify = 0.010 + 0.0002 * 2 * (n + 1)
         flat = ((0.05,) * n, (0.05,) * n)
         policy.observe(Observation(7, (0, min(5, n)), (n, n), n * 0.0005, verify, flat, sampled=(False, True)))
-    assert policy.calibration[False].probability(0.05, recent=0.5, depth=0) < 0.1
-    assert policy.calibration[True].probability(0.05, recent=0.5, depth=0) > 0.65
+    assert policy.calibration[False].probability(0.05, recent=0.5) < 0.1
+    assert policy.calibration[True].probability(0.05, recent=0.5) > 0.65
     doubtful = policy.keep_drafting([chain(0.05, 0.05), chain(0.05, 0.05, sampled=True)])
     assert doubtful == [False, True]
 
