@@ -290,16 +290,17 @@ class LinearFit:
 class CostModel:
     """What a round costs: measured where this (drafts, batch size) has run, fitted elsewhere.
 
-    Verify time is fitted against the tokens the target processes (batch * (drafts + 1)). A
-    batch of 16 on a CPU pays for 8 verify tokens each as it pays for one at batch 1 only while
-    the matrix products stay memory-bound: the fit learns where that stops from the rounds it
-    sees. Rounds are keyed by how far they drafted, not by their k, since the cutoff and
+    Verify time is fitted against the tokens the target processes: the verify forward is padded
+    to its longest chain, so that is batch * (longest chain + 1), however short the other chains
+    are. A batch of 16 on a CPU pays for 8 verify tokens each as it pays for one at batch 1 only
+    while the matrix products stay memory-bound: the fit learns where that stops from the rounds
+    it sees. Rounds are keyed by how far they drafted, not by their k, since the cutoff and
     max_tokens end drafting early.
 
     Draft time is fitted against the draft steps of each batch size once rounds of different
     lengths have run: the first step, which also feeds the tokens verification kept, costs more
     than the others, and pricing every step at the average would make short rounds look dearer
-    per step than they are. Until then it is priced per step, fitted against the batch size.
+    per step than they are. Until then it is priced per step, fitted against the rows drafted.
     """
 
     smoothing: float = 0.2
@@ -309,7 +310,9 @@ class CostModel:
     last_seen: dict[tuple[int, int], int] = field(default_factory=dict)
     rounds: int = 0
     verify_fit: LinearFit = field(default_factory=LinearFit)
-    draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
+    # Seconds per draft step, by the rows it drafts: the mean over a round's steps, which varies
+    # within one batch size as chains stop on their own, so the slope is the cost of a row.
+    draft_fit: LinearFit = field(default_factory=LinearFit)
     draft_by_steps: dict[int, LinearFit] = field(default_factory=dict)  # batch -> seconds by steps
 
     def record(self, observation: Observation) -> None:
@@ -321,9 +324,9 @@ class CostModel:
         self.samples[key] = self.samples.get(key, 0) + 1
         self.rounds += 1
         self.last_seen[key] = self.rounds
-        self.verify_fit.add(observation.batch_size + sum(observation.proposed), seconds)
+        self.verify_fit.add(observation.batch_size * (steps + 1), seconds)
         if steps > 0:
-            self.draft_fit.add(observation.batch_size, observation.draft_seconds / steps)
+            self.draft_fit.add(sum(observation.proposed) / steps, observation.draft_seconds / steps)
             self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(steps, observation.draft_seconds)
 
     def draft_seconds(self, steps: int, batch_size: int) -> float | None:
@@ -413,9 +416,10 @@ class GoodputPolicy:
     draft at all (k = 0 or the largest candidate): after each draft step it weighs, for each
     sequence, the tokens the drafts ahead are expected to add (the chance that every draft so far
     survives, from the drafter's calibrated confidence, times the rates of the positions ahead)
-    against what they cost at the throughput the rounds measure: a verified token each for that
-    sequence, and draft steps shared by all that go on. Confident chains run long and doubtful
-    ones stop, sequence by sequence and round by round.
+    against what they cost at the throughput the rounds measure: each step drafts a row per
+    sequence that goes on, and widens the padded verify forward by a token for every sequence in
+    the batch, a cost all that go on share. Confident chains run long and doubtful ones stop,
+    sequence by sequence and round by round.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -517,7 +521,11 @@ class GoodputPolicy:
         step_seconds = self.costs.draft_step_seconds(batch)
         if rate is None or step_seconds is None:
             return [True] * len(chains)  # nothing measured yet: draft the full k
-        token_price = rate * self.costs.verify_fit.slope()  # tokens forgone by verifying one more
+        # The verify forward is padded to its longest chain, and the chains still drafting are the
+        # longest: another step widens it by a token for every sequence in the batch, however
+        # few go on. A chain alone pays only for its row of the draft step.
+        step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
+        row_price = rate * self.costs.draft_fit.slope()
         # Look ahead to the ceiling, not one step: deeper drafts of a chain that survived so far
         # are often kept more readily (the chain is in an easy stretch), so a step that does
         # not pay alone can open the way to ones that do.
@@ -532,11 +540,10 @@ class GoodputPolicy:
             net, best = 0.0, 0.0
             for h in range(horizon):
                 survive *= self._rate(len(chain.confidence) + h)
-                net += survive - token_price
+                net += survive - row_price
                 best = max(best, net)
                 best_by_depth[h] += best
             keep.append(best > 0)
-        step_price = rate * step_seconds
         if all(gain <= (h + 1) * step_price for h, gain in enumerate(best_by_depth)):
             return [False] * len(chains)
         return keep

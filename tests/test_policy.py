@@ -261,15 +261,35 @@ def chain(*confidence: float, sampled: bool = False, recent: float = 0.5) -> Pro
     return Proposal([0] * len(confidence), confidence=list(confidence), sampled=sampled, acceptance=recent)
 
 
-def cutoff_policy(draft_seconds: float, verify_seconds: float = 0.010, per_token: float = 0.0002) -> GoodputPolicy:
-    """A goodput policy at k = 7 that has measured rounds of 4 and 7 drafts at their cost: each
-    draft step costs `draft_seconds`, each verified token `per_token` more."""
+def observe_round(
+    policy: GoodputPolicy,
+    accepted: tuple[int, ...],
+    confidence: tuple[tuple[float, ...], ...],
+    draft_seconds: float = 0.0005,
+    per_row: float = 0.0001,
+    verify_seconds: float = 0.010,
+    per_token: float = 0.0002,
+    **signals: tuple,
+) -> None:
+    """One round at k = 7 that drafted `confidence` (a chain per sequence), priced as the engine
+    runs it: each draft step costs `draft_seconds` plus `per_row` for each chain drafted in it,
+    and the verify forward is padded to the longest chain, `per_token` for each of its tokens."""
+    proposed = tuple(len(c) for c in confidence)
+    steps = max(proposed)
+    drafting = steps * draft_seconds + sum(proposed) * per_row
+    verify = verify_seconds + per_token * len(proposed) * (steps + 1)
+    policy.observe(Observation(7, accepted, proposed, drafting, verify, confidence, **signals))
+
+
+def cutoff_policy(draft_seconds: float) -> GoodputPolicy:
+    """A goodput policy at k = 7 that has measured rounds of 4 and 7 drafts at batch 2, the second
+    chain sometimes stopping at 4, so that both the step and the row are priced."""
     policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,), draft_cutoff=True), 7)
     for i in range(30):
         n = 7 if i % 2 else 4
-        confidence = ((0.95,) * n, (0.95,) * 4 + (0.2,) * (n - 4))
-        verify = verify_seconds + per_token * 2 * (n + 1)
-        policy.observe(Observation(7, (n, 4), (n, n), n * draft_seconds, verify, confidence))
+        short = 4 if i % 3 == 0 else n
+        confidence = ((0.95,) * n, ((0.95,) * 4 + (0.2,) * (n - 4))[:short])
+        observe_round(policy, (n, 4), confidence, draft_seconds)
     return policy
 
 
@@ -283,15 +303,31 @@ def test_cutoff_drafts_on_while_confident_and_stops_when_the_chain_is_doubtful()
 
 def test_cutoff_weighs_the_cost_of_a_draft_step():
     cheap, dear = cutoff_policy(draft_seconds=0.0002), cutoff_policy(draft_seconds=0.004)
-    survives_half_the_time = [chain(0.95, 0.95, 0.55)]
-    assert cheap.keep_drafting(survives_half_the_time) == [True]
-    assert dear.keep_drafting(survives_half_the_time) == [False]
+    survive_half_the_time = [chain(0.95, 0.95, 0.55), chain(0.95, 0.95, 0.55)]
+    assert cheap.keep_drafting(survive_half_the_time) == [True, True]
+    assert dear.keep_drafting(survive_half_the_time) == [False, False]
 
 
 def test_cutoff_stops_each_sequence_on_its_own_chain():
+    """Chains still drafting widen the padded verify forward together; a doubtful one that stops
+    saves only its row of the draft step, and stops when that is worth more than its drafts."""
     policy = cutoff_policy(draft_seconds=0.0005)
-    chains = [chain(0.95, 0.95), chain(0.95, 0.2, 0.2), chain(0.95, 0.95)]
+    chains = [chain(0.95, 0.95, 0.95), chain(0.95, 0.2, 0.2, 0.2), chain(0.95, 0.95, 0.95)]
     assert policy.keep_drafting(chains) == [True, False, True]
+
+
+def test_cutoff_charges_the_whole_batch_for_widening_the_verify_forward():
+    """The verify forward is padded to its longest chain: a lone chain going on in a batch of 2
+    widens it for both, so a chain that is worth a step at batch 1 is not at batch 2."""
+    alone, paired = (GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7) for _ in range(2))
+    for i in range(30):
+        n = 7 if i % 2 else 4
+        observe_round(alone, (n,), ((0.95,) * n,), per_token=0.0008)
+        observe_round(paired, (n, n), ((0.95,) * n, (0.95,) * (1 + i % 2)), per_token=0.0008)
+    assert alone.costs.verify_fit.slope() == pytest.approx(paired.costs.verify_fit.slope(), rel=0.01)
+    chain_after_a_doubt = [chain(0.95, 0.95, 0.5)]
+    assert alone.keep_drafting(chain_after_a_doubt) == [True]
+    assert paired.keep_drafting(chain_after_a_doubt) == [False]
 
 
 def test_cutoff_calibrates_sampled_drafts_apart_from_greedy_ones():
@@ -300,9 +336,9 @@ def test_cutoff_calibrates_sampled_drafts_apart_from_greedy_ones():
     policy = cutoff_policy(draft_seconds=0.0005)
     for i in range(300):
         n = 7 if i % 2 else 4
-        verify = 0.010 + 0.0002 * 2 * (n + 1)
-        flat = ((0.05,) * n, (0.05,) * n)
-        policy.observe(Observation(7, (0, min(5, n)), (n, n), n * 0.0005, verify, flat, sampled=(False, True)))
+        greedy = 1 if i % 3 == 0 else n
+        flat = ((0.05,) * greedy, (0.05,) * n)
+        observe_round(policy, (0, min(5, n)), flat, sampled=(False, True))
     assert policy.calibration[False].probability(0.05, recent=0.5) < 0.1
     assert policy.calibration[True].probability(0.05, recent=0.5) > 0.65
     doubtful = policy.keep_drafting([chain(0.05, 0.05), chain(0.05, 0.05, sampled=True)])
@@ -315,9 +351,9 @@ def test_cutoff_trusts_a_sequence_that_keeps_its_drafts_even_where_the_drafter_s
     policy = cutoff_policy(draft_seconds=0.0005)
     for i in range(200):
         n = 7 if i % 2 else 4
-        verify = 0.010 + 0.0002 * 2 * (n + 1)
-        unsure = ((0.3,) * n, (0.3,) * n)
-        policy.observe(Observation(7, (n, 0), (n, n), n * 0.0005, verify, unsure, acceptance=(0.97, 0.4)))
+        doubted = 1 if i % 3 == 0 else n
+        unsure = ((0.3,) * n, (0.3,) * doubted)
+        observe_round(policy, (n, 0), unsure, acceptance=(0.97, 0.4))
     chains = [chain(0.3, 0.3, 0.3, recent=0.97), chain(0.3, 0.3, 0.3, recent=0.4)]
     assert policy.keep_drafting(chains) == [True, False]
 
