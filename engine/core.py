@@ -127,6 +127,9 @@ class Engine:
         self.keep_drafting: KeepDrafting | None = None
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
+        # The running sequences' mean recent acceptance: where a new sequence's own starts, since
+        # it is likelier to draft as the current traffic does than as an arbitrary prior would.
+        self.acceptance = 0.5
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._cancel_lock = threading.Lock()
@@ -338,6 +341,9 @@ class Engine:
                 draft_acceptance=proposal.acceptance,
             )
             accepted.append(kept)
+        judged = [seq.acceptance for seq, proposal in zip(seqs, proposals) if proposal.tokens]
+        if judged:
+            self.acceptance = sum(judged) / len(judged)
         if self.drafter is not None:
             live = [(s, a) for s, a in zip(seqs, accepted) if s.finish_reason is None]
             self.drafter.accept([s for s, _ in live], [a for _, a in live], hidden)
@@ -369,6 +375,7 @@ class Engine:
                 slot=self.cache.allocate(),
                 generator=request.params.generator(self.model.embed_tokens.weight.device),
                 tokens=list(request.prompt),
+                acceptance=self.acceptance,
             )
             admitted.append(seq)
         if not admitted:

@@ -300,7 +300,7 @@ class CostModel:
     Draft time is fitted against the draft steps of each batch size once rounds of different
     lengths have run: the first step, which also feeds the tokens verification kept, costs more
     than the others, and pricing every step at the average would make short rounds look dearer
-    per step than they are. Until then it is priced per step, fitted against the rows drafted.
+    per step than they are. Until then it is priced per step, fitted against the batch size.
     """
 
     smoothing: float = 0.2
@@ -310,9 +310,7 @@ class CostModel:
     last_seen: dict[tuple[int, int], int] = field(default_factory=dict)
     rounds: int = 0
     verify_fit: LinearFit = field(default_factory=LinearFit)
-    # Seconds per draft step, by the rows it drafts: the mean over a round's steps, which varies
-    # within one batch size as chains stop on their own, so the slope is the cost of a row.
-    draft_fit: LinearFit = field(default_factory=LinearFit)
+    draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
     draft_by_steps: dict[int, LinearFit] = field(default_factory=dict)  # batch -> seconds by steps
 
     def record(self, observation: Observation) -> None:
@@ -326,7 +324,7 @@ class CostModel:
         self.last_seen[key] = self.rounds
         self.verify_fit.add(observation.batch_size * (steps + 1), seconds)
         if steps > 0:
-            self.draft_fit.add(sum(observation.proposed) / steps, observation.draft_seconds / steps)
+            self.draft_fit.add(observation.batch_size, observation.draft_seconds / steps)
             self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(steps, observation.draft_seconds)
 
     def draft_seconds(self, steps: int, batch_size: int) -> float | None:
@@ -413,13 +411,12 @@ class GoodputPolicy:
     k > 0 is probed every `probe_interval` rounds.
 
     With `draft_cutoff`, k is the most a round drafts, and the policy only decides whether to
-    draft at all (k = 0 or the largest candidate): after each draft step it weighs, for each
-    sequence, the tokens the drafts ahead are expected to add (the chance that every draft so far
+    draft at all (k = 0 or the largest candidate): after each draft step it weighs, summed over
+    the sequences, the tokens the drafts ahead are expected to add (the chance that every draft so far
     survives, from the drafter's calibrated confidence, times the rates of the positions ahead)
-    against what they cost at the throughput the rounds measure: each step drafts a row per
-    sequence that goes on, and widens the padded verify forward by a token for every sequence in
-    the batch, a cost all that go on share. Confident chains run long and doubtful ones stop,
-    sequence by sequence and round by round.
+    against what they cost at the throughput the rounds measure: a draft step, and a token more
+    of the padded verify forward for every sequence in the batch. Rounds of confident chains run
+    long and doubtful ones stop early, round by round.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -523,30 +520,26 @@ class GoodputPolicy:
             return [True] * len(chains)  # nothing measured yet: draft the full k
         # The verify forward is padded to its longest chain, and the chains still drafting are the
         # longest: another step widens it by a token for every sequence in the batch, however
-        # few go on. A chain alone pays only for its row of the draft step.
+        # few go on. So the chains go on or stop together; one that stopped alone would save
+        # only its row of the draft step (a twentieth of the step at batch 4).
         step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
-        row_price = rate * self.costs.draft_fit.slope()
         # Look ahead to the ceiling, not one step: deeper drafts of a chain that survived so far
         # are often kept more readily (the chain is in an easy stretch), so a step that does
         # not pay alone can open the way to ones that do.
         horizon = max(1, self._steps - min(len(chain.confidence) for chain in chains))
-        best_by_depth = [0.0] * horizon  # summed over chains: the best net gain within h + 1 steps
-        keep = []
+        gain_by_depth = [0.0] * horizon  # summed over chains: drafts expected kept within h + 1 steps
         for chain in chains:
             survive = 1.0
             calibration = self.calibration[chain.sampled]
             for c in chain.confidence:
                 survive *= calibration.probability(c, chain.acceptance)
-            net, best = 0.0, 0.0
+            gain = 0.0
             for h in range(horizon):
                 survive *= self._rate(len(chain.confidence) + h)
-                net += survive - row_price
-                best = max(best, net)
-                best_by_depth[h] += best
-            keep.append(best > 0)
-        if all(gain <= (h + 1) * step_price for h, gain in enumerate(best_by_depth)):
-            return [False] * len(chains)
-        return keep
+                gain += survive
+                gain_by_depth[h] += gain
+        go_on = any(gain > (h + 1) * step_price for h, gain in enumerate(gain_by_depth))
+        return [go_on] * len(chains)
 
     def _speculating_steps(self, k: int) -> int:
         # With the cutoff, each round stops drafting where it stops paying: k is only a ceiling.

@@ -282,8 +282,8 @@ def observe_round(
 
 
 def cutoff_policy(draft_seconds: float) -> GoodputPolicy:
-    """A goodput policy at k = 7 that has measured rounds of 4 and 7 drafts at batch 2, the second
-    chain sometimes stopping at 4, so that both the step and the row are priced."""
+    """A goodput policy at k = 7 that has measured rounds of 4 and 7 drafts at batch 2, where the
+    second chain's drafts after the fourth (confidence 0.2) are always rejected."""
     policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,), draft_cutoff=True), 7)
     for i in range(30):
         n = 7 if i % 2 else 4
@@ -308,12 +308,13 @@ def test_cutoff_weighs_the_cost_of_a_draft_step():
     assert dear.keep_drafting(survive_half_the_time) == [False, False]
 
 
-def test_cutoff_stops_each_sequence_on_its_own_chain():
-    """Chains still drafting widen the padded verify forward together; a doubtful one that stops
-    saves only its row of the draft step, and stops when that is worth more than its drafts."""
+def test_cutoff_ends_every_chain_together():
+    """The chains still drafting widen the padded verify forward together: a doubtful one going on
+    costs no more than its draft row, and the round stops only when the chains together no longer
+    pay for a step."""
     policy = cutoff_policy(draft_seconds=0.0005)
-    chains = [chain(0.95, 0.95, 0.95), chain(0.95, 0.2, 0.2, 0.2), chain(0.95, 0.95, 0.95)]
-    assert policy.keep_drafting(chains) == [True, False, True]
+    assert policy.keep_drafting([chain(0.95, 0.95, 0.95), chain(0.95, 0.2, 0.2, 0.2)]) == [True, True]
+    assert policy.keep_drafting([chain(0.95, 0.2, 0.2, 0.2), chain(0.95, 0.2, 0.2, 0.2)]) == [False, False]
 
 
 def test_cutoff_charges_the_whole_batch_for_widening_the_verify_forward():
@@ -341,8 +342,8 @@ def test_cutoff_calibrates_sampled_drafts_apart_from_greedy_ones():
         observe_round(policy, (0, min(5, n)), flat, sampled=(False, True))
     assert policy.calibration[False].probability(0.05, recent=0.5) < 0.1
     assert policy.calibration[True].probability(0.05, recent=0.5) > 0.65
-    doubtful = policy.keep_drafting([chain(0.05, 0.05), chain(0.05, 0.05, sampled=True)])
-    assert doubtful == [False, True]
+    assert policy.keep_drafting([chain(0.05, 0.05)] * 2) == [False, False]
+    assert policy.keep_drafting([chain(0.05, 0.05, sampled=True)] * 2) == [True, True]
 
 
 def test_cutoff_trusts_a_sequence_that_keeps_its_drafts_even_where_the_drafter_sounds_unsure():
@@ -354,8 +355,8 @@ def test_cutoff_trusts_a_sequence_that_keeps_its_drafts_even_where_the_drafter_s
         doubted = 1 if i % 3 == 0 else n
         unsure = ((0.3,) * n, (0.3,) * doubted)
         observe_round(policy, (n, 0), unsure, acceptance=(0.97, 0.4))
-    chains = [chain(0.3, 0.3, 0.3, recent=0.97), chain(0.3, 0.3, 0.3, recent=0.4)]
-    assert policy.keep_drafting(chains) == [True, False]
+    assert policy.keep_drafting([chain(0.3, 0.3, 0.3, recent=0.97)] * 2) == [True, True]
+    assert policy.keep_drafting([chain(0.3, 0.3, 0.3, recent=0.4)] * 2) == [False, False]
 
 
 def test_cutoff_prices_a_draft_step_at_its_marginal_cost():

@@ -332,3 +332,24 @@ def test_a_sequence_tracks_the_share_of_its_judged_drafts_the_target_kept():
     assert seq.acceptance == pytest.approx(before + 0.3 * (2 / 3 - before))
     seq.record_acceptance(proposed=0, kept=0)  # nothing drafted: nothing learnt
     assert seq.acceptance == pytest.approx(before + 0.3 * (2 / 3 - before))
+
+
+def test_a_new_sequence_starts_from_the_acceptance_of_the_traffic_before_it(pair):
+    """Until its own drafts are judged, a new request is taken to draft as the running traffic
+    does, not as a fixed prior says (the cutoff reads it from the first round on)."""
+    target, draft = pair
+    engine = Engine(target, make_drafter("draft_model", draft, 2), 2, MAX_SEQ_LEN, [3])
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def first_round_acceptance(prompt: list[int]) -> float:
+        request = Request(tuple(prompt), greedy)
+        engine.add_request(request)
+        (first,) = [o for o in engine.step().outputs if o.request_id == request.id]
+        while engine.has_work:
+            engine.step()
+        return first.draft_acceptance
+
+    assert first_round_acceptance(PROMPTS[0]) == 0.5  # nothing served yet: the prior
+    learnt = engine.acceptance
+    assert abs(learnt - 0.5) > 0.1  # what the first request's drafts showed
+    assert first_round_acceptance(PROMPTS[2]) == pytest.approx(learnt)
