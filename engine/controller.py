@@ -13,6 +13,7 @@ and applied only between steps, and each is acknowledged with the round at which
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -189,7 +190,9 @@ class Controller:
         self.engine.select(self._steps)
         # A pinned, forced or static k drafts exactly k: only the policy's own choice is cut short.
         self.engine.keep_drafting = self.policy.draft_cutoff() if self.mode_name == "adaptive" else None
+        started = time.perf_counter()
         result = self.engine.step()
+        round_seconds = time.perf_counter() - started - result.prefill_seconds
         verified = [o for o in result.outputs if o.verified]
         if verified:
             decision = self.policy.observe(
@@ -199,6 +202,7 @@ class Controller:
                     proposed=tuple(o.drafts_proposed for o in verified),
                     draft_seconds=result.draft_seconds,
                     verify_seconds=result.verify_seconds,
+                    round_seconds=round_seconds,
                     confidence=tuple(o.draft_confidence for o in verified),
                     sampled=tuple(o.draft_sampled for o in verified),
                     acceptance=tuple(o.draft_acceptance for o in verified),

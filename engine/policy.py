@@ -103,6 +103,8 @@ class Observation:
     confidence: tuple[tuple[float, ...], ...] = ()  # the drafter's confidence in each proposed token
     sampled: tuple[bool, ...] = ()  # whether each request samples (else greedy): see Calibration
     acceptance: tuple[float, ...] = ()  # each request's recent acceptance when it drafted
+    # The whole round's wall time, emitting included (not admitting new requests); 0 when unknown.
+    round_seconds: float = 0.0
 
     @property
     def batch_size(self) -> int:
@@ -424,10 +426,16 @@ class GoodputPolicy:
         self.candidates = sorted(candidates if candidates is not None else params.candidate_steps)
         self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
         self.position_rates: list[float] = []
+        # Weight of the newest round in the position rates. Smaller than the ema strategy's alpha:
+        # at batch 1 a round shows one kept-or-not per depth, and at 0.2 the rates swung by
+        # +-0.15, stopping chains at random (and at times choosing k = 0). A change of phase
+        # shows at once in each sequence's own recent acceptance, which the calibration reads.
+        self.rate_alpha = 0.05
         self.costs = CostModel()
         self.calibration = {False: Calibration(), True: Calibration()}  # by whether drafts are sampled
         self.batch_size = 1
-        self.throughput: dict[int, float] = {}  # measured tokens per second of rounds, by batch size
+        # By batch size: tokens emitted and seconds taken by recent rounds (sums that fade).
+        self.served: dict[int, tuple[float, float]] = {}
         self.batches = 0
         self.rounds_at_zero = 0
         self.last_goodput: dict[int, float] = {}
@@ -454,7 +462,7 @@ class GoodputPolicy:
         return self.position_rates[min(position, len(self.position_rates) - 1)]
 
     def _learn(self, observation: Observation) -> None:
-        alpha = self.params.ema_alpha
+        alpha = self.rate_alpha
         deepest = -1
         for j in range(max(observation.proposed, default=0)):
             reached = [a for a, p in zip(observation.accepted, observation.proposed) if a >= j and p > j]
@@ -502,19 +510,27 @@ class GoodputPolicy:
         return self._choose(observation.batch_size)
 
     def _measure_throughput(self, observation: Observation) -> None:
-        seconds = observation.draft_seconds + observation.verify_seconds
+        # The whole round: the work between draft and verify is paid per round too, so a round
+        # saved by drafting deeper saves it as well.
+        seconds = observation.round_seconds or observation.draft_seconds + observation.verify_seconds
         if seconds <= 0:
             return
-        rate = (sum(observation.accepted) + observation.batch_size) / seconds
-        old = self.throughput.get(observation.batch_size)
-        self.throughput[observation.batch_size] = rate if old is None else old + 0.05 * (rate - old)
+        tokens = sum(observation.accepted) + observation.batch_size
+        old_tokens, old_seconds = self.served.get(observation.batch_size, (0.0, 0.0))
+        self.served[observation.batch_size] = (0.95 * old_tokens + tokens, 0.95 * old_seconds + seconds)
+
+    def throughput(self, batch_size: int) -> float | None:
+        """Tokens per second of recent rounds at this batch size: summed tokens over summed seconds,
+        since a mean of per-round rates would weigh a short round as much as a long one."""
+        served = self.served.get(batch_size)
+        return served[0] / served[1] if served else None
 
     def draft_cutoff(self) -> KeepDrafting | None:
         return self.keep_drafting if self.params.draft_cutoff else None
 
     def keep_drafting(self, chains: Seq[DraftChain]) -> list[bool]:
         batch = self.batch_size
-        rate = self.throughput.get(batch) or self.goodput(self._steps, batch)
+        rate = self.throughput(batch) or self.goodput(self._steps, batch)
         step_seconds = self.costs.draft_step_seconds(batch)
         if rate is None or step_seconds is None:
             return [True] * len(chains)  # nothing measured yet: draft the full k

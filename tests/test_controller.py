@@ -152,3 +152,16 @@ def test_goodput_cuts_drafting_short_only_while_it_chooses_k(pair):
         assert pinned.engine.keep_drafting is None
         assert result.k == 3 and all(o.drafts_proposed == 3 for o in result.outputs if o.verified)
     assert make(pair, replace(goodput, draft_cutoff=False), steps=(3, 7)).policy.draft_cutoff() is None
+
+
+def test_the_policy_sees_each_round_whole_from_drafting_to_emitting(pair):
+    """Its throughput (the price of a draft step) counts the round's whole time, not only the
+    draft and verify forwards; admitting a new request is no part of a round."""
+    controller = make(pair, replace(FAST, strategy="goodput"))
+    seen = []
+    observe = controller.policy.observe
+    controller.policy.observe = lambda observation: seen.append(observation) or observe(observation)
+    serve(controller, [Request(tuple(p), SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS])
+    assert seen
+    for observation in seen:
+        assert observation.round_seconds > observation.draft_seconds + observation.verify_seconds > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -357,6 +358,37 @@ def test_cutoff_trusts_a_sequence_that_keeps_its_drafts_even_where_the_drafter_s
         observe_round(policy, (n, 0), unsure, acceptance=(0.97, 0.4))
     assert policy.keep_drafting([chain(0.3, 0.3, 0.3, recent=0.97)] * 2) == [True, True]
     assert policy.keep_drafting([chain(0.3, 0.3, 0.3, recent=0.4)] * 2) == [False, False]
+
+
+def test_position_rates_hold_steady_at_batch_1():
+    """A round at batch 1 shows one kept-or-not per depth: the rates must average over many rounds,
+    or a run of rejections would stop chains (and choose k = 0) at random."""
+    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(3,)), 3)
+    draws = random.Random(0)
+    seen = []
+    for _ in range(600):
+        kept = 0
+        while kept < 3 and draws.random() < 0.7:
+            kept += 1
+        policy.observe(Observation(3, (kept,), (3,), 0.002, 0.006, ((0.5,) * 3,)))
+        seen.append(policy.position_rates[0])
+    settled = seen[200:]
+    mean = sum(settled) / len(settled)
+    spread = (sum((r - mean) ** 2 for r in settled) / len(settled)) ** 0.5
+    assert mean == pytest.approx(0.7, abs=0.05)
+    assert spread < 0.1  # at the ema strategy's alpha (0.2) it was 0.15
+
+
+def test_throughput_is_the_tokens_of_whole_rounds_over_their_time():
+    """The price of a draft step is what the rounds serve per second: the whole round's time
+    (emitting too, not only drafting and verifying), and tokens over seconds, not a mean of
+    per-round rates (which would weigh a short round as much as a long one)."""
+    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7)
+    for i in range(200):
+        accepted, seconds = ((0,), 0.010) if i % 2 else ((7,), 0.020)
+        policy.observe(Observation(7, accepted, (7,), 0.002, 0.006, ((0.5,) * 7,), round_seconds=seconds))
+    assert policy.throughput(1) == pytest.approx(9 / 0.030, rel=0.02)  # not (100 + 400) / 2
+    assert policy.throughput(2) is None
 
 
 def test_cutoff_prices_a_draft_step_at_its_marginal_cost():
