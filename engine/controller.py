@@ -203,9 +203,7 @@ class Controller:
                     draft_seconds=result.draft_seconds,
                     verify_seconds=result.verify_seconds,
                     round_seconds=round_seconds,
-                    confidence=tuple(o.draft_confidence for o in verified),
-                    sampled=tuple(o.draft_sampled for o in verified),
-                    acceptance=tuple(o.draft_acceptance for o in verified),
+                    chains=tuple(o.draft for o in verified),
                 )
             )
         else:

@@ -25,7 +25,7 @@ from engine.checkpoint import Checkpoint
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
 from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
 from engine.model import ForwardBatch
-from engine.policy import KeepDrafting
+from engine.policy import DraftRecord, KeepDrafting
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
 from engine.verify import verify
@@ -73,9 +73,7 @@ class SequenceOutput:
     drafts_proposed: int
     drafts_accepted: int
     verified: bool  # took part in the round (False for the first token, from the prefill)
-    draft_confidence: tuple[float, ...] = ()  # the drafter's probability of each proposed token
-    draft_sampled: bool = False  # the drafts were sampled (else the drafter's greedy choices)
-    draft_acceptance: float = 0.5  # the sequence's recent acceptance when they were drafted
+    draft: DraftRecord = DraftRecord()  # what the policy learns from the drafts
 
 
 @dataclass
@@ -336,9 +334,7 @@ class Engine:
                 len(proposal.tokens),
                 kept,
                 verified=True,
-                draft_confidence=tuple(proposal.confidence),
-                draft_sampled=proposal.sampled,
-                draft_acceptance=proposal.acceptance,
+                draft=DraftRecord(tuple(proposal.confidence), proposal.sampled, proposal.acceptance),
             )
             accepted.append(kept)
         judged = [seq.acceptance for seq, proposal in zip(seqs, proposals) if proposal.tokens]

@@ -100,9 +100,7 @@ class Observation:
     proposed: tuple[int, ...]  # drafts proposed to each request (k, or fewer near max_tokens)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    confidence: tuple[tuple[float, ...], ...] = ()  # the drafter's confidence in each proposed token
-    sampled: tuple[bool, ...] = ()  # whether each request samples (else greedy): see Calibration
-    acceptance: tuple[float, ...] = ()  # each request's recent acceptance when it drafted
+    chains: tuple[DraftChain, ...] = ()  # each request's drafts, as the calibration learns from them
     # The whole round's wall time, emitting included (not admitting new requests); 0 when unknown.
     round_seconds: float = 0.0
 
@@ -139,16 +137,26 @@ class Policy(Protocol):
 
 
 class DraftChain(Protocol):
-    """One sequence's drafts so far in a round, as the draft cutoff sees them."""
+    """One sequence's drafts in a round, as the draft cutoff weighs them and the calibration
+    learns from them."""
 
     @property
-    def confidence(self) -> Seq[float]: ...
+    def confidence(self) -> Seq[float]: ...  # the drafter's probability of each proposed token
 
     @property
-    def sampled(self) -> bool: ...
+    def sampled(self) -> bool: ...  # drawn from the drafter's distribution (else its greedy choice)
 
     @property
-    def acceptance(self) -> float: ...
+    def acceptance(self) -> float: ...  # the sequence's recent acceptance when it drafted
+
+
+@dataclass(frozen=True)
+class DraftRecord:
+    """A `DraftChain` kept after the round, without the tokens and distributions."""
+
+    confidence: tuple[float, ...] = ()
+    sampled: bool = False
+    acceptance: float = 0.5
 
 
 # Asked by a drafter after each draft step, with the chains of every sequence still drafting:
@@ -488,11 +496,8 @@ class GoodputPolicy:
         self.costs.record(observation)
         self.batch_size = observation.batch_size
         self._measure_throughput(observation)
-        n = len(observation.confidence)
-        sampled = observation.sampled or (False,) * n
-        recent = observation.acceptance or (0.5,) * n
-        for confidence, accepted, kind, r in zip(observation.confidence, observation.accepted, sampled, recent):
-            self.calibration[kind].learn(confidence, accepted, r)
+        for chain, accepted in zip(observation.chains, observation.accepted):
+            self.calibration[chain.sampled].learn(chain.confidence, accepted, chain.acceptance)
         if self._steps == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:

@@ -11,6 +11,7 @@ from engine.drafters import Proposal
 from engine.policy import (
     BatchSlot,
     Calibration,
+    DraftRecord,
     EmaPolicy,
     GoodputPolicy,
     Observation,
@@ -270,7 +271,8 @@ def observe_round(
     per_row: float = 0.0001,
     verify_seconds: float = 0.010,
     per_token: float = 0.0002,
-    **signals: tuple,
+    sampled: tuple[bool, ...] = (),
+    acceptance: tuple[float, ...] = (),
 ) -> None:
     """One round at k = 7 that drafted `confidence` (a chain per sequence), priced as the engine
     runs it: each draft step costs `draft_seconds` plus `per_row` for each chain drafted in it,
@@ -279,7 +281,10 @@ def observe_round(
     steps = max(proposed)
     drafting = steps * draft_seconds + sum(proposed) * per_row
     verify = verify_seconds + per_token * len(proposed) * (steps + 1)
-    policy.observe(Observation(7, accepted, proposed, drafting, verify, confidence, **signals))
+    sampled = sampled or (False,) * len(confidence)
+    acceptance = acceptance or (0.5,) * len(confidence)
+    chains = tuple(DraftRecord(c, s, a) for c, s, a in zip(confidence, sampled, acceptance))
+    policy.observe(Observation(7, accepted, proposed, drafting, verify, chains))
 
 
 def cutoff_policy(draft_seconds: float) -> GoodputPolicy:
@@ -370,7 +375,7 @@ def test_position_rates_hold_steady_at_batch_1():
         kept = 0
         while kept < 3 and draws.random() < 0.7:
             kept += 1
-        policy.observe(Observation(3, (kept,), (3,), 0.002, 0.006, ((0.5,) * 3,)))
+        policy.observe(Observation(3, (kept,), (3,), 0.002, 0.006, (DraftRecord((0.5,) * 3),)))
         seen.append(policy.position_rates[0])
     settled = seen[200:]
     mean = sum(settled) / len(settled)
@@ -386,7 +391,7 @@ def test_throughput_is_the_tokens_of_whole_rounds_over_their_time():
     policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7)
     for i in range(200):
         accepted, seconds = ((0,), 0.010) if i % 2 else ((7,), 0.020)
-        policy.observe(Observation(7, accepted, (7,), 0.002, 0.006, ((0.5,) * 7,), round_seconds=seconds))
+        policy.observe(Observation(7, accepted, (7,), 0.002, 0.006, (DraftRecord((0.5,) * 7),), round_seconds=seconds))
     assert policy.throughput(1) == pytest.approx(9 / 0.030, rel=0.02)  # not (100 + 400) / 2
     assert policy.throughput(2) is None
 
@@ -397,7 +402,9 @@ def test_cutoff_prices_a_draft_step_at_its_marginal_cost():
     policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7)
     for round_ in range(60):
         steps = 1 + round_ % 7
-        policy.observe(Observation(7, (steps,), (steps,), 0.003 + 0.0005 * steps, 0.010, ((0.9,) * steps,)))
+        policy.observe(
+            Observation(7, (steps,), (steps,), 0.003 + 0.0005 * steps, 0.010, (DraftRecord((0.9,) * steps),))
+        )
     assert policy.costs.draft_step_seconds(1) == pytest.approx(0.0005, rel=0.01)
     assert policy.costs.round_seconds(7, 1) == pytest.approx(0.0065 + 0.010, rel=0.05)
 

@@ -347,7 +347,7 @@ def test_a_new_sequence_starts_from_the_acceptance_of_the_traffic_before_it(pair
         (first,) = [o for o in engine.step().outputs if o.request_id == request.id]
         while engine.has_work:
             engine.step()
-        return first.draft_acceptance
+        return first.draft.acceptance
 
     assert first_round_acceptance(PROMPTS[0]) == 0.5  # nothing served yet: the prior
     learnt = engine.acceptance
