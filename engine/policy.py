@@ -422,8 +422,8 @@ class GoodputPolicy:
 
     With `draft_cutoff`, k is the most a round drafts, and the policy only decides whether to
     draft at all (k = 0 or the largest candidate): after each draft step it weighs, summed over
-    the sequences, the tokens the drafts ahead are expected to add (the chance that every draft so far
-    survives, from the drafter's calibrated confidence, times the rates of the positions ahead)
+    the sequences, the tokens the next drafts are expected to add (the chance that every draft so
+    far survives, from the drafter's calibrated confidence, times the sequence's recent acceptance)
     against what they cost at the throughput the rounds measure: a draft step, and a token more
     of the padded verify forward for every sequence in the batch. Rounds of confident chains run
     long and doubtful ones stop early, round by round.
@@ -544,23 +544,19 @@ class GoodputPolicy:
         # few go on. So the chains go on or stop together; one that stopped alone would save
         # only its row of the draft step (a twentieth of the step at batch 4).
         step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
-        # Look ahead to the ceiling, not one step: deeper drafts of a chain that survived so far
-        # are often kept more readily (the chain is in an easy stretch), so a step that does
-        # not pay alone can open the way to ones that do.
-        horizon = max(1, self._steps - min(len(chain.confidence) for chain in chains))
-        gain_by_depth = [0.0] * horizon  # summed over chains: drafts expected kept within h + 1 steps
+        # The next draft of a chain is kept if every draft so far is (the drafter's calibrated
+        # confidence in each) and then about as often as that sequence's drafts lately were: its
+        # own recent acceptance follows a change of traffic at once, where rates pooled over all
+        # sequences lag behind. Deeper drafts are worth less still, so if the next step does not
+        # pay, no later one does.
+        gain = 0.0
         for chain in chains:
-            survive = 1.0
+            survive = chain.acceptance
             calibration = self.calibration[chain.sampled]
             for c in chain.confidence:
                 survive *= calibration.probability(c, chain.acceptance)
-            gain = 0.0
-            for h in range(horizon):
-                survive *= self._rate(len(chain.confidence) + h)
-                gain += survive
-                gain_by_depth[h] += gain
-        go_on = any(gain > (h + 1) * step_price for h, gain in enumerate(gain_by_depth))
-        return [go_on] * len(chains)
+            gain += survive
+        return [gain > step_price] * len(chains)
 
     def _speculating_steps(self, k: int) -> int:
         # With the cutoff, each round stops drafting where it stops paying: k is only a ceiling.

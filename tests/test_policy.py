@@ -259,7 +259,8 @@ def test_calibration_learns_how_often_each_confidence_is_kept_from_judged_drafts
     assert calibration.probability(0.35, recent=0.3) == pytest.approx(0.25)  # another history: its own cell
 
 
-def chain(*confidence: float, sampled: bool = False, recent: float = 0.5) -> Proposal:
+def chain(*confidence: float, sampled: bool = False, recent: float = 0.95) -> Proposal:
+    """A sequence's drafts so far; by default it lately kept most of its drafts."""
     return Proposal([0] * len(confidence), confidence=list(confidence), sampled=sampled, acceptance=recent)
 
 
@@ -282,7 +283,7 @@ def observe_round(
     drafting = steps * draft_seconds + sum(proposed) * per_row
     verify = verify_seconds + per_token * len(proposed) * (steps + 1)
     sampled = sampled or (False,) * len(confidence)
-    acceptance = acceptance or (0.5,) * len(confidence)
+    acceptance = acceptance or (0.95,) * len(confidence)
     chains = tuple(DraftRecord(c, s, a) for c, s, a in zip(confidence, sampled, acceptance))
     policy.observe(Observation(7, accepted, proposed, drafting, verify, chains))
 
@@ -309,7 +310,7 @@ def test_cutoff_drafts_on_while_confident_and_stops_when_the_chain_is_doubtful()
 
 def test_cutoff_weighs_the_cost_of_a_draft_step():
     cheap, dear = cutoff_policy(draft_seconds=0.0002), cutoff_policy(draft_seconds=0.004)
-    survive_half_the_time = [chain(0.95, 0.95, 0.55), chain(0.95, 0.95, 0.55)]
+    survive_half_the_time = [chain(0.95, 0.95, recent=0.8)] * 2  # 0.8 * 0.825 * 0.825 each
     assert cheap.keep_drafting(survive_half_the_time) == [True, True]
     assert dear.keep_drafting(survive_half_the_time) == [False, False]
 
@@ -346,8 +347,8 @@ def test_cutoff_calibrates_sampled_drafts_apart_from_greedy_ones():
         greedy = 1 if i % 3 == 0 else n
         flat = ((0.05,) * greedy, (0.05,) * n)
         observe_round(policy, (0, min(5, n)), flat, sampled=(False, True))
-    assert policy.calibration[False].probability(0.05, recent=0.5) < 0.1
-    assert policy.calibration[True].probability(0.05, recent=0.5) > 0.65
+    assert policy.calibration[False].probability(0.05, recent=0.95) < 0.1
+    assert policy.calibration[True].probability(0.05, recent=0.95) > 0.65
     assert policy.keep_drafting([chain(0.05, 0.05)] * 2) == [False, False]
     assert policy.keep_drafting([chain(0.05, 0.05, sampled=True)] * 2) == [True, True]
 
