@@ -542,7 +542,7 @@ class GoodputPolicy:
         # The verify forward is padded to its longest chain, and the chains still drafting are the
         # longest: another step widens it by a token for every sequence in the batch, however
         # few go on. So the chains go on or stop together; one that stopped alone would save
-        # only its row of the draft step (a twentieth of the step at batch 4).
+        # only its row of the draft step (about a fifteenth of the step at batch 4).
         step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
         # The next draft of a chain is kept if every draft so far is (the drafter's calibrated
         # confidence in each) and then about as often as that sequence's drafts lately were: its
