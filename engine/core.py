@@ -44,15 +44,13 @@ class StateStats:
     # proposed_at[j] / accepted_at[j]: drafts at chain position j proposed / kept.
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
-    # Smoothed wall time of a whole round (draft + verify), by batch size.
-    round_seconds: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
 class RuntimeState:
     """Everything a round with step count `k` needs, made before it is ever selected.
 
-    On CPU that is the warmed-up shapes of its verify forward and the measured cost of a round;
+    On CPU that is the warmed-up shapes of its verify forward and what its rounds have shown;
     on backends with graphs it also owns its verify graphs (`memory_bytes` is what capturing them
     added). What all states share (the caches, the draft model's decode-step graphs) does not
     depend on k, so no state can outgrow it (SGLang crashed on a shared buffer sized for one tier).
@@ -270,9 +268,6 @@ class Engine:
         stats.rounds += 1
         stats.draft_seconds += result.draft_seconds
         stats.verify_seconds += result.verify_seconds
-        seconds = verified - started
-        previous = stats.round_seconds.get(len(seqs))
-        stats.round_seconds[len(seqs)] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
         for proposal, tokens in zip(proposals, emitted):
             kept = len(tokens) - 1
             stats.tokens += len(tokens)
