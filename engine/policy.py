@@ -434,10 +434,10 @@ class GoodputPolicy:
         self.candidates = sorted(candidates if candidates is not None else params.candidate_steps)
         self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
         self.position_rates: list[float] = []
-        # Weight of the newest round in the position rates. Smaller than the ema strategy's alpha:
-        # at batch 1 a round shows one kept-or-not per depth, and at 0.2 the rates swung by
-        # +-0.15, stopping chains at random (and at times choosing k = 0). A change of phase
-        # shows at once in each sequence's own recent acceptance, which the calibration reads.
+        # Weight of the newest round in the position rates, which price a full chain when choosing
+        # between k = 0 and the ceiling. Smaller than the ema strategy's alpha: at batch 1 a
+        # round shows one kept-or-not per depth, and at 0.2 the rates swung by +-0.15, at times
+        # choosing k = 0. The cutoff reads each sequence's own recent acceptance instead.
         self.rate_alpha = 0.05
         self.costs = CostModel()
         self.calibration = {False: Calibration(), True: Calibration()}  # by whether drafts are sampled
