@@ -11,7 +11,7 @@ from engine.checkpoint import load_checkpoint
 from engine.generate import generate
 from engine.kv_cache import CacheFullError
 from engine.model import ForwardBatch
-from engine.sampling import SamplingParams, target_probs
+from engine.sampling import SamplingParams, sample, target_probs
 from tests.conftest import save_tiny, tiny_hf_model
 
 
@@ -110,6 +110,28 @@ def test_sampled_tokens_follow_the_distribution(checkpoint):
     chi2 += ((observed[~keep].sum() - expected[~keep].sum()) ** 2 / max(expected[~keep].sum().item(), 1e-9)).item()
     dof = int(keep.sum())
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_sample_follows_unnormalised_weights_and_never_draws_a_zero_weight_token():
+    # Weights as a rejection's residual leaves them: zeros among them, not summing to 1.
+    weights = torch.tensor([0.0, 0.3, 0.0, 0.1, 0.6, 0.0]) * 0.5
+    generator = torch.Generator().manual_seed(0)
+    draws = 6000
+    counts = Counter(sample(weights, generator) for _ in range(draws))
+    assert set(counts) == {1, 3, 4}
+    expected = {1: 0.3 * draws, 3: 0.1 * draws, 4: 0.6 * draws}
+    chi2 = sum((counts[t] - e) ** 2 / e for t, e in expected.items())
+    assert chi2 < 13.8, counts  # p = 0.001 at 2 degrees of freedom
+    # A weight only at the very end of the row is found too.
+    assert sample(torch.tensor([0.0, 0.0, 0.0, 2.0]), generator) == 3
+
+
+def test_sample_with_a_seeded_generator_repeats_itself():
+    weights = torch.softmax(torch.randn(8192, generator=torch.Generator().manual_seed(1)), dim=0)
+    first = [sample(weights, torch.Generator().manual_seed(7)) for _ in range(3)]
+    runs = [sample(weights, g) for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
+    again = [sample(weights, g) for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
+    assert len(set(first)) == 1 and runs == again and len(set(runs)) > 1
 
 
 def test_eos_stops_generation(checkpoint):
