@@ -320,6 +320,11 @@ class CostModel:
     last_seen: dict[tuple[int, int], int] = field(default_factory=dict)
     rounds: int = 0
     verify_fit: LinearFit = field(default_factory=LinearFit)
+    # batch -> verify seconds by the padded width (longest chain + 1), for rounds that drafted:
+    # the cutoff prices widening a forward that is already at least 2 wide. A forward 1 wide is
+    # cheaper than the line through the others (0.3 ms below width 2 at batch 1, where a token
+    # more costs 0.08 ms), so rounds at k = 0 would tilt the slope.
+    verify_by_width: dict[int, LinearFit] = field(default_factory=dict)
     draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
     draft_by_steps: dict[int, LinearFit] = field(default_factory=dict)  # batch -> seconds by steps
 
@@ -334,6 +339,7 @@ class CostModel:
         self.last_seen[key] = self.rounds
         self.verify_fit.add(observation.batch_size * (steps + 1), seconds)
         if steps > 0:
+            self.verify_by_width.setdefault(observation.batch_size, LinearFit()).add(steps + 1, seconds)
             self.draft_fit.add(observation.batch_size, observation.draft_seconds / steps)
             self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(steps, observation.draft_seconds)
 
@@ -351,6 +357,13 @@ class CostModel:
         if fit is not None and fit.varied:
             return fit.slope()
         return self.draft_fit.predict(batch_size)
+
+    def verify_step_seconds(self, batch_size: int) -> float:
+        """What widening the verify forward by a token costs at this batch size."""
+        fit = self.verify_by_width.get(batch_size)
+        if fit is not None and fit.varied:
+            return fit.slope()
+        return batch_size * self.verify_fit.slope()
 
     def round_seconds(self, k: int, batch_size: int) -> float | None:
         key = (k, batch_size)
@@ -386,12 +399,19 @@ class Calibration:
     recent_bins: tuple[float, ...] = (0.5, 0.75, 0.9)  # upper edges of the recent-acceptance bins
     alpha: float = 0.05
     rates: list[list[float]] = field(default_factory=list)
+    # By recent-acceptance bin alone: how often a draft is kept, whatever its confidence. A bin
+    # learns from every judged draft, several a round, so it can learn slowly and stay steady
+    # (at 0.05 a rate of 0.7 wanders by +-0.07; the cutoff weighs every round by it).
+    row_rates: list[float] = field(default_factory=list)
+    row_alpha: float = 0.01
 
     def __post_init__(self) -> None:
+        edges = (0.0, *self.recent_bins, 1.0)
+        recent_middles = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
         if not self.rates:
-            edges = (0.0, *self.recent_bins, 1.0)
-            recent_middles = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
             self.rates = [[r] * self.bins for r in recent_middles]
+        if not self.row_rates:
+            self.row_rates = list(recent_middles)
 
     def _cell(self, confidence: float, recent: float) -> tuple[int, int]:
         row = sum(recent >= edge for edge in self.recent_bins)
@@ -401,12 +421,20 @@ class Calibration:
         row, column = self._cell(confidence, recent)
         return self.rates[row][column]
 
+    def next_draft(self, recent: float) -> float:
+        """How likely a draft not yet proposed is kept, by its sequence's recent acceptance. Where
+        that acceptance does not predict the next drafts (sampled text, whose rejections come at
+        random), every bin learns the same rate, and a chain's length stops following noise."""
+        return self.row_rates[self._cell(0.0, recent)[0]]
+
     def learn(self, confidence: Seq[float], accepted: int, recent: float) -> None:
         # Drafts after the first rejected one were never judged: they teach nothing.
         for j, c in enumerate(confidence[: accepted + 1]):
             row, column = self._cell(c, recent)
+            kept = 1.0 if j < accepted else 0.0
             rates = self.rates[row]
-            rates[column] += self.alpha * ((1.0 if j < accepted else 0.0) - rates[column])
+            rates[column] += self.alpha * (kept - rates[column])
+            self.row_rates[row] += self.row_alpha * (kept - self.row_rates[row])
 
 
 class GoodputPolicy:
@@ -423,10 +451,10 @@ class GoodputPolicy:
     With `draft_cutoff`, k is the most a round drafts, and the policy only decides whether to
     draft at all (k = 0 or the largest candidate): after each draft step it weighs, summed over
     the sequences, the tokens the next drafts are expected to add (the chance that every draft so
-    far survives, from the drafter's calibrated confidence, times the sequence's recent acceptance)
-    against what they cost at the throughput the rounds measure: a draft step, and a token more
-    of the padded verify forward for every sequence in the batch. Rounds of confident chains run
-    long and doubtful ones stop early, round by round.
+    far survives, from the drafter's calibrated confidence, times how often drafts of sequences
+    with its recent acceptance are kept) against what they cost at the throughput the rounds
+    measure: a draft step, and a token more of the padded verify forward. Rounds of confident
+    chains run long and doubtful ones stop early, round by round.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -543,16 +571,16 @@ class GoodputPolicy:
         # longest: another step widens it by a token for every sequence in the batch, however
         # few go on. So the chains go on or stop together; one that stopped alone would save
         # only its row of the draft step (about a fifteenth of the step at batch 4).
-        step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
+        step_price = rate * (step_seconds + self.costs.verify_step_seconds(batch))
         # The next draft of a chain is kept if every draft so far is (the drafter's calibrated
-        # confidence in each) and then about as often as that sequence's drafts lately were: its
-        # own recent acceptance follows a change of traffic at once, where rates pooled over all
-        # sequences lag behind. Deeper drafts are worth less still, so if the next step does not
-        # pay, no later one does.
+        # confidence in each) and then as often as drafts of sequences with its recent acceptance
+        # are: its own recent acceptance follows a change of traffic at once, where rates pooled
+        # over all sequences lag behind, and the calibration says how much it predicts. Deeper
+        # drafts are worth less still, so if the next step does not pay, no later one does.
         gain = 0.0
         for chain in chains:
-            survive = chain.acceptance
             calibration = self.calibration[chain.sampled]
+            survive = calibration.next_draft(chain.acceptance)
             for c in chain.confidence:
                 survive *= calibration.probability(c, chain.acceptance)
             gain += survive

@@ -301,7 +301,7 @@ def cutoff_policy(draft_seconds: float) -> GoodputPolicy:
 
 
 def test_cutoff_drafts_on_while_confident_and_stops_when_the_chain_is_doubtful():
-    policy = cutoff_policy(draft_seconds=0.001)
+    policy = cutoff_policy(draft_seconds=0.0005)
     keep = policy.draft_cutoff()
     assert keep is not None
     assert keep([chain(0.95, 0.95, 0.95)]) == [True]  # the chain very likely survives: worth another step
@@ -336,6 +336,33 @@ def test_cutoff_charges_the_whole_batch_for_widening_the_verify_forward():
     chain_after_a_doubt = [chain(0.95, 0.95, 0.5)]
     assert alone.keep_drafting(chain_after_a_doubt) == [True]
     assert paired.keep_drafting(chain_after_a_doubt) == [False]
+
+
+def test_cutoff_prices_widening_the_verify_forward_from_rounds_that_drafted():
+    """A forward 1 wide (a round at k = 0) costs less than the line through the wider ones: it
+    must not tilt what one token more of width is priced at."""
+    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(0, 7)), 7)
+    for i in range(40):
+        n = 2 + i % 4
+        observe_round(policy, (n,), ((0.95,) * n,), verify_seconds=0.0035, per_token=0.0001)
+        policy.observe(Observation(0, (0,), (0,), 0.0, 0.0030, (DraftRecord((), False, 0.95),)))
+    assert policy.costs.verify_step_seconds(1) == pytest.approx(0.0001, rel=0.01)
+    assert policy.costs.verify_fit.slope() > 0.0002  # what pricing from every round would say
+
+
+def test_the_next_draft_is_weighed_by_what_recent_acceptance_predicts():
+    """Sampled drafts kept at random, 70% whatever the sequence kept lately: a sequence that
+    lately kept few is as likely to keep its next draft as one that kept many."""
+    calibration = Calibration()
+    rng = random.Random(0)
+    for _ in range(3000):
+        recent = rng.random()
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.7:
+            accepted += 1
+        calibration.learn((0.05,) * 4, accepted, recent)
+    assert calibration.next_draft(0.3) == pytest.approx(0.7, abs=0.1)
+    assert calibration.next_draft(0.95) == pytest.approx(0.7, abs=0.1)
 
 
 def test_cutoff_calibrates_sampled_drafts_apart_from_greedy_ones():
