@@ -320,11 +320,6 @@ class CostModel:
     last_seen: dict[tuple[int, int], int] = field(default_factory=dict)
     rounds: int = 0
     verify_fit: LinearFit = field(default_factory=LinearFit)
-    # batch -> verify seconds by the padded width (longest chain + 1), for rounds that drafted:
-    # the cutoff prices widening a forward that is already at least 2 wide. A forward 1 wide is
-    # cheaper than the line through the others (0.3 ms below width 2 at batch 1, where a token
-    # more costs 0.08 ms), so rounds at k = 0 would tilt the slope.
-    verify_by_width: dict[int, LinearFit] = field(default_factory=dict)
     draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
     draft_by_steps: dict[int, LinearFit] = field(default_factory=dict)  # batch -> seconds by steps
 
@@ -339,7 +334,6 @@ class CostModel:
         self.last_seen[key] = self.rounds
         self.verify_fit.add(observation.batch_size * (steps + 1), seconds)
         if steps > 0:
-            self.verify_by_width.setdefault(observation.batch_size, LinearFit()).add(steps + 1, seconds)
             self.draft_fit.add(observation.batch_size, observation.draft_seconds / steps)
             self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(steps, observation.draft_seconds)
 
@@ -357,13 +351,6 @@ class CostModel:
         if fit is not None and fit.varied:
             return fit.slope()
         return self.draft_fit.predict(batch_size)
-
-    def verify_step_seconds(self, batch_size: int) -> float:
-        """What widening the verify forward by a token costs at this batch size."""
-        fit = self.verify_by_width.get(batch_size)
-        if fit is not None and fit.varied:
-            return fit.slope()
-        return batch_size * self.verify_fit.slope()
 
     def round_seconds(self, k: int, batch_size: int) -> float | None:
         key = (k, batch_size)
@@ -571,7 +558,7 @@ class GoodputPolicy:
         # longest: another step widens it by a token for every sequence in the batch, however
         # few go on. So the chains go on or stop together; one that stopped alone would save
         # only its row of the draft step (about a fifteenth of the step at batch 4).
-        step_price = rate * (step_seconds + self.costs.verify_step_seconds(batch))
+        step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
         # The next draft of a chain is kept if every draft so far is (the drafter's calibrated
         # confidence in each) and then as often as drafts of sequences with its recent acceptance
         # are: its own recent acceptance follows a change of traffic at once, where rates pooled

@@ -338,18 +338,6 @@ def test_cutoff_charges_the_whole_batch_for_widening_the_verify_forward():
     assert paired.keep_drafting(chain_after_a_doubt) == [False]
 
 
-def test_cutoff_prices_widening_the_verify_forward_from_rounds_that_drafted():
-    """A forward 1 wide (a round at k = 0) costs less than the line through the wider ones: it
-    must not tilt what one token more of width is priced at."""
-    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(0, 7)), 7)
-    for i in range(40):
-        n = 2 + i % 4
-        observe_round(policy, (n,), ((0.95,) * n,), verify_seconds=0.0035, per_token=0.0001)
-        policy.observe(Observation(0, (0,), (0,), 0.0, 0.0030, (DraftRecord((), False, 0.95),)))
-    assert policy.costs.verify_step_seconds(1) == pytest.approx(0.0001, rel=0.01)
-    assert policy.costs.verify_fit.slope() > 0.0002  # what pricing from every round would say
-
-
 def test_the_next_draft_is_weighed_by_what_recent_acceptance_predicts():
     """Sampled drafts kept at random, 70% whatever the sequence kept lately: a sequence that
     lately kept few is as likely to keep its next draft as one that kept many."""
