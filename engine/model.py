@@ -8,6 +8,7 @@ on small models the cost per token is dominated by the number of kernels, not th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,24 @@ class ForwardBatch:
     num_new: list[int]  # real (unpadded) new tokens per sequence
     kv_len: int  # how many cache positions attention reads
     mask: Tensor | None  # [B, 1, T, kv_len], True where a key is visible; None when all are
+    # Where the real tokens lie among the B * T padded ones, when some rows are shorter: the
+    # layers then run on the real tokens alone and only attention sees the padded layout. On a
+    # CPU a row of a matrix product costs about as much as a short token of attention does not.
+    real: Tensor | None = None
+
+    def pack(self, x: Tensor) -> Tensor:
+        """[B, T, ...] padded -> [real tokens, ...]; unchanged when no row is padded."""
+        if self.real is None:
+            return x
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.real)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[real tokens, ...] -> [B, T, ...], zeros where a row is padded; the inverse of `pack`."""
+        if self.real is None:
+            return x
+        bsz, width = self.tokens.shape
+        padded = x.new_zeros(bsz * width, *x.shape[1:]).index_copy_(0, self.real, x)
+        return padded.view(bsz, width, *x.shape[1:])
 
     @property
     def slot_list(self) -> list[int]:
@@ -74,6 +93,7 @@ class ForwardBatch:
                 visible &= key_pos > positions[:, :, None] - sliding_window
             mask = visible[:, None].to(device)
         contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
+        padded = sum(num_new) < len(slots) * width
         return cls(
             tokens=tokens.to(device),
             positions=positions.clamp_(max=cache.max_seq_len - 1).to(device),
@@ -83,6 +103,7 @@ class ForwardBatch:
             num_new=num_new,
             kv_len=kv_len,
             mask=mask,
+            real=real.flatten().nonzero().flatten().to(device) if padded else None,
         )
 
 
@@ -176,9 +197,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch | None, cache: KVCache | None) -> Tensor:
-        bsz, seqlen, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).view(bsz, seqlen, heads + 2 * kv_heads, self.head_dim)
+        qkv = self.qkv(x)
+        if batch is not None:
+            qkv = batch.unpack(qkv)
+        bsz, seqlen, _ = qkv.shape
+        qkv = qkv.view(bsz, seqlen, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, :, heads + kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qkv[:, :, :heads]), self.k_norm(qkv[:, :, heads : heads + kv_heads])), dim=2)
@@ -209,7 +233,8 @@ class Attention(nn.Module):
                 attn_mask=batch.mask,
                 enable_gqa=True,
             )
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, self.q_size))
+        out = out.transpose(1, 2).reshape(bsz, seqlen, self.q_size)
+        return self.o_proj(batch.pack(out) if batch is not None else out)
 
 
 class MLP(nn.Module):
@@ -268,12 +293,16 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Run the new tokens of `batch`, appending them to `cache`, and return their logits."""
         x, hidden = self.run_layers(batch, cache, capture)
-        if last_only and x.shape[1] > 1:
+        if last_only and batch.real is not None:  # x is packed: each sequence's last real token
+            last = torch.tensor(list(itertools.accumulate(batch.num_new)), device=x.device) - 1
+            x = x[last][:, None]
+        elif last_only and x.shape[1] > 1:
             last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         for slot, n in zip(batch.slot_list, batch.num_new):
             cache.lengths[slot] += n
-        return ForwardOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
+        logits = self.lm_head(self.norm(x))
+        return ForwardOutput(logits=logits if last_only else batch.unpack(logits), hidden=hidden)
 
     def run_layers(
         self, batch: ForwardBatch, cache: KVCache, capture: Sequence[int] = ()
@@ -281,9 +310,10 @@ class Transformer(nn.Module):
         """Embed and run every layer, writing the new keys and values into `cache`.
 
         Nothing here reads a device value back to the host, so a graph can capture it
-        (engine/graphs.py); the host-side lengths are left to the caller.
+        (engine/graphs.py); the host-side lengths are left to the caller. Returns x packed to
+        the real tokens when the batch is padded (`ForwardBatch.real`), else [B, T, D].
         """
-        x = self.embed_tokens(batch.tokens)
+        x = batch.pack(self.embed_tokens(batch.tokens))
         dtype = x.dtype
         cos = self.rope_cos[batch.positions].to(dtype).unsqueeze(2)
         sin = self.rope_sin[batch.positions].to(dtype).unsqueeze(2)
@@ -291,7 +321,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache)
             if i in capture:
-                hidden[i] = x
+                hidden[i] = batch.unpack(x)
         return x, hidden
 
     def forward_train(self, tokens: Tensor) -> Tensor:

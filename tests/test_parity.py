@@ -78,6 +78,44 @@ def test_ragged_batch_equals_each_sequence_alone(pair):
         assert completion.tokens == alone.tokens
 
 
+def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair):
+    """Rows of different widths (a verify of ragged chains): the layers run on the real tokens
+    alone, and each row's logits, last logits, hidden states and cache are as if it ran alone."""
+    _, checkpoint = pair
+    model = checkpoint.model
+    rows = [[3, 4, 5, 6, 7], [9], [11, 12, 13]]
+    together_cache, alone_cache = model.new_cache(3, 32), model.new_cache(3, 32)
+    slots = [together_cache.allocate() for _ in rows]
+    for slot in slots:
+        alone_cache.allocate()
+    with torch.no_grad():
+        for cache in (together_cache, alone_cache):
+            for slot, prefix in zip(slots, ([1, 2], [1, 2, 8], [10])):
+                model(ForwardBatch.build(cache, [slot], [prefix], model.config.sliding_window), cache)
+        batch = ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window)
+        assert batch.real is not None and len(batch.real) == sum(map(len, rows))
+        together = model(batch, together_cache, capture=(0,))
+        for slot, row, tokens in zip(slots, range(len(rows)), rows):
+            alone_batch = ForwardBatch.build(alone_cache, [slot], [tokens], model.config.sliding_window)
+            alone = model(alone_batch, alone_cache, capture=(0,))
+            n = len(tokens)
+            torch.testing.assert_close(together.logits[row, :n], alone.logits[0], atol=1e-4, rtol=0)
+            torch.testing.assert_close(together.hidden[0][row, :n], alone.hidden[0][0], atol=1e-4, rtol=0)
+        assert together_cache.lengths == alone_cache.lengths
+        length = max(together_cache.lengths[s] for s in slots)
+        torch.testing.assert_close(
+            together_cache.k[:, slots, :length], alone_cache.k[:, slots, :length], atol=1e-5, rtol=0
+        )
+        for cache in (together_cache, alone_cache):
+            for slot, tokens in zip(slots, rows):
+                cache.truncate(slot, cache.lengths[slot] - len(tokens))
+        last = model(
+            ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window), together_cache, last_only=True
+        )
+        for row, tokens in enumerate(rows):
+            torch.testing.assert_close(last.logits[row, 0], together.logits[row, len(tokens) - 1], atol=1e-4, rtol=0)
+
+
 def test_hidden_states_of_chosen_layers_match_transformers(pair):
     reference, checkpoint = pair
     ids = torch.arange(2, 14)[None]
