@@ -86,8 +86,7 @@ def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair):
     rows = [[3, 4, 5, 6, 7], [9], [11, 12, 13]]
     together_cache, alone_cache = model.new_cache(3, 32), model.new_cache(3, 32)
     slots = [together_cache.allocate() for _ in rows]
-    for slot in slots:
-        alone_cache.allocate()
+    assert [alone_cache.allocate() for _ in rows] == slots
     with torch.no_grad():
         for cache in (together_cache, alone_cache):
             for slot, prefix in zip(slots, ([1, 2], [1, 2, 8], [10])):
@@ -95,7 +94,7 @@ def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair):
         batch = ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window)
         assert batch.real is not None and len(batch.real) == sum(map(len, rows))
         together = model(batch, together_cache, capture=(0,))
-        for slot, row, tokens in zip(slots, range(len(rows)), rows):
+        for row, (slot, tokens) in enumerate(zip(slots, rows)):
             alone_batch = ForwardBatch.build(alone_cache, [slot], [tokens], model.config.sliding_window)
             alone = model(alone_batch, alone_cache, capture=(0,))
             n = len(tokens)
