@@ -400,9 +400,11 @@ class Calibration:
         if not self.row_rates:
             self.row_rates = list(recent_middles)
 
+    def _row(self, recent: float) -> int:
+        return sum(recent >= edge for edge in self.recent_bins)
+
     def _cell(self, confidence: float, recent: float) -> tuple[int, int]:
-        row = sum(recent >= edge for edge in self.recent_bins)
-        return row, min(max(int(confidence * self.bins), 0), self.bins - 1)
+        return self._row(recent), min(max(int(confidence * self.bins), 0), self.bins - 1)
 
     def probability(self, confidence: float, recent: float) -> float:
         row, column = self._cell(confidence, recent)
@@ -412,7 +414,7 @@ class Calibration:
         """How likely a draft not yet proposed is kept, by its sequence's recent acceptance. Where
         that acceptance does not predict the next drafts (sampled text, whose rejections come at
         random), every bin learns the same rate, and a chain's length stops following noise."""
-        return self.row_rates[self._cell(0.0, recent)[0]]
+        return self.row_rates[self._row(recent)]
 
     def learn(self, confidence: Seq[float], accepted: int, recent: float) -> None:
         # Drafts after the first rejected one were never judged: they teach nothing.
