@@ -366,7 +366,7 @@ class Engine:
                 slot=self.cache.allocate(),
                 generator=request.params.generator(self.model.embed_tokens.weight.device),
                 tokens=list(request.prompt),
-                acceptance=self.acceptance,
+                kept_recently=self.acceptance,  # of one judged draft: the traffic's acceptance
             )
             admitted.append(seq)
         if not admitted:

@@ -43,17 +43,18 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     draft_slot: int | None = None  # the drafter's own cache slot, if it has one
-    # Share of its recently judged drafts the target kept: a sequence that is copying a pattern
-    # keeps nearly all of them even where the drafter sounds unsure (see policy.Calibration).
-    acceptance: float = 0.5
-    # Drafts kept and judged in recent rounds, as sums that fade by `acceptance_decay` a round;
-    # the starting acceptance counts as one judged draft.
-    kept_recently: float = field(init=False)
-    judged_recently: float = field(init=False, default=1.0)
+    # Drafts kept and judged in recent rounds, as sums that fade by `acceptance_decay` a round.
+    # A new sequence starts from one judged draft, kept as often as the prior says.
+    kept_recently: float = 0.5
+    judged_recently: float = 1.0
     acceptance_decay = 0.7
 
-    def __post_init__(self) -> None:
-        self.kept_recently = self.acceptance
+    @property
+    def acceptance(self) -> float:
+        """Share of its recently judged drafts the target kept: a sequence that is copying a
+        pattern keeps nearly all of them even where the drafter sounds unsure (see
+        policy.Calibration)."""
+        return self.kept_recently / self.judged_recently
 
     def record_acceptance(self, proposed: int, kept: int) -> None:
         # Drafts after the first rejected one were never judged. Kept over judged summed across
@@ -63,7 +64,6 @@ class Sequence:
         if judged:
             self.kept_recently = self.acceptance_decay * self.kept_recently + kept
             self.judged_recently = self.acceptance_decay * self.judged_recently + judged
-            self.acceptance = self.kept_recently / self.judged_recently
 
     @property
     def params(self) -> SamplingParams:
