@@ -365,3 +365,36 @@ def test_a_new_sequence_starts_from_the_acceptance_of_the_traffic_before_it(pair
     learnt = engine.acceptance
     assert abs(learnt - 0.5) > 0.1  # what the first request's drafts showed
     assert first_round_acceptance(PROMPTS[2]) == pytest.approx(learnt)
+
+
+def latest_continuation(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by scanning the context: the reference the n-gram index must agree with."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_longest_match_as_the_context_grows():
+    rng = random.Random(0)
+    for _ in range(100):
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        drafter = NgramDrafter(min_n, max_n)
+        seq = Sequence(Request((1,)), slot=0, generator=None, tokens=[rng.randint(0, 4)])
+        drafter.admit([seq])
+        for _ in range(40):
+            seq.tokens += [rng.randint(0, 4) for _ in range(rng.randint(1, 3))]  # a round's tokens
+            k = rng.randint(1, 6)
+            expected = latest_continuation(seq.tokens, k, min_n, max_n)
+            assert drafter.propose([seq], [k])[0].tokens == expected
+
+
+def test_the_ngram_drafter_forgets_a_sequence_that_left(pair):
+    target, _ = pair
+    drafter = NgramDrafter(1, 3)
+    engine = Engine(target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_steps=3)
+    engine.run_until_done([Request(tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS])
+    assert drafter.indexes == {}
