@@ -1,0 +1,201 @@
+"""How much could any step policy gain on a workload, at batch 1?
+
+    python -m bench.headroom --workload bench/workloads/transition.jsonl [--max-steps 12] [--passes 20]
+
+Each request is decoded by the target alone (its seed, or its line number when it has none); the
+draft then reads the same text, and each position gets the chance that a draft there is kept:
+for greedy requests 1 when the draft's argmax is the target's token, else 0; for sampled ones
+1 - TV(p, q), the rejection-sampling acceptance of the draft's distribution q against the
+target's p (both after the request's temperature, top-k and top-p). A round's cost is measured
+with the engine for every k (draft plus verify, one request of each phase). Kept drafts are drawn
+from those chances (`--passes` times) and four ways of choosing k are replayed on the same draws:
+
+- the best static k, for the whole workload and for each phase (the per-phase oracle);
+- `knows the odds`: a policy told each position's chance before drafting it, which drafts while
+  the chance that every draft so far is kept stays above a threshold (the best one is reported):
+  the ceiling for any policy that predicts acceptance, however well;
+- `clairvoyant`: drafts exactly the drafts that will be kept, a bound no policy reaches (it
+  would have to know the target's verdict, or on sampled text the dice, before drafting).
+
+It bounds what adapting k can win: on the default pair the sampled phase's chances barely vary,
+so even knowing them beats the best static k by little there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.spec import WorkItem, read_workload
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.core import Engine
+from engine.drafters import DraftModelDrafter
+from engine.generate import generate
+from engine.request import Request
+from engine.sampling import target_probs
+
+# Chooses the drafts of a round from the chances of the positions ahead: returns k.
+Chooser = Callable[[Seq[float]], int]
+
+
+@torch.inference_mode()
+def keep_chances(target: Checkpoint, draft: DraftModelDrafter, items: Seq[WorkItem]) -> list[list[float]]:
+    """Per request, the chance that a draft at each output position is kept."""
+    chances = []
+    for line, item in enumerate(items):
+        params = item.params if item.params.seed is not None else replace(item.params, seed=line)
+        prompt = target.tokenizer.encode(item.prompt).ids
+        output = generate(target, [prompt], params)[0].tokens
+        text = torch.tensor([prompt + output])
+        first = len(prompt) - 1  # the logits that predict the first output token
+        p_logits = target.model.forward_train(text)[0, first : first + len(output)].float()
+        q_logits = draft.model.forward_train(text)[0, first : first + len(output)].float()
+        if params.greedy:
+            chances.append((q_logits.argmax(-1) == torch.tensor(output)).float().tolist())
+        else:
+            p = torch.stack([target_probs(row, params) for row in p_logits])
+            q = torch.stack([target_probs(row, params) for row in q_logits])
+            chances.append(torch.minimum(p, q).sum(-1).tolist())
+    return chances
+
+
+def round_seconds(
+    target: Checkpoint, draft: Checkpoint, item: WorkItem, max_steps: int, tokens: int = 96
+) -> list[float]:
+    """Seconds of a round with k drafts at batch 1, k = 0..max_steps: the median round of a
+    request decoded with the engine (after one to warm its shapes), since single rounds are noisy."""
+    prompt = tuple(target.tokenizer.encode(item.prompt).ids)
+    params = replace(item.params, max_tokens=tokens, ignore_eos=True, seed=0)
+    max_seq_len = len(prompt) + tokens + 1
+    seconds = []
+    for k in range(max_steps + 1):
+        drafter = DraftModelDrafter(draft, 1, max_seq_len, quantize=True)
+        engine = Engine(target, drafter, 1, max_seq_len, [k], max_steps=max_steps)
+        engine.run_until_done([Request(prompt, params)])
+        engine.add_request(Request(prompt, params))
+        rounds = []
+        while engine.has_work:
+            step = engine.step()
+            if step.batch_size:
+                rounds.append(step.draft_seconds + step.verify_seconds)
+        seconds.append(statistics.median(rounds[1:] or rounds))  # the first round follows the prefill
+    return seconds
+
+
+def replay(kept: Seq[bool], chances: Seq[float], cost: Seq[float], choose: Chooser) -> tuple[int, float]:
+    """Tokens and seconds of decoding one request whose drafts are kept as `kept` says."""
+    tokens, seconds, at = 0, 0.0, 0
+    while at < len(kept):
+        k = min(choose(chances[at:]), len(kept) - at - 1, len(cost) - 1)
+        run = 0
+        while run < k and kept[at + run]:
+            run += 1
+        tokens += run + 1  # the kept drafts and the target's own token
+        seconds += cost[k]
+        at += run + 1
+    return tokens, seconds
+
+
+def static(k: int) -> Chooser:
+    return lambda _: k
+
+
+def knows_the_odds(threshold: float, max_steps: int) -> Chooser:
+    def choose(ahead: Seq[float]) -> int:
+        survive, k = 1.0, 0
+        for chance in ahead[:max_steps]:
+            survive *= chance
+            if survive < threshold:
+                break
+            k += 1
+        return k
+
+    return choose
+
+
+def main(argv: Seq[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--target", default="models/target")
+    parser.add_argument("--draft", default="models/draft")
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--passes", type=int, default=20, help="draws of the kept drafts per request")
+    args = parser.parse_args(argv)
+
+    items = read_workload(args.workload)
+    target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
+    quantized = DraftModelDrafter(draft, 1, 16, quantize=True)
+    chances = keep_chances(target, quantized, items)
+    phases = sorted({item.phase for item in items})
+    costs = {
+        phase: round_seconds(target, draft, next(i for i in items if i.phase == phase), args.max_steps)
+        for phase in phases
+    }
+    for phase in phases:
+        shown = ", ".join(f"k={k} {1e3 * s:.2f}" for k, s in enumerate(costs[phase]))
+        print(f"round ms ({phase}): {shown}")
+
+    rng = random.Random(0)
+    draws = [[[rng.random() < c for c in request] for _ in range(args.passes)] for request in chances]
+    choosers: dict[str, Chooser] = {f"static:{k}": static(k) for k in range(args.max_steps + 1)}
+    for threshold in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        choosers[f"knows the odds >= {threshold}"] = knows_the_odds(threshold, args.max_steps)
+    totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    for item, request, request_draws in zip(items, chances, draws):
+        for kept in request_draws:
+            results = {name: replay(kept, request, costs[item.phase], choose) for name, choose in choosers.items()}
+            results["clairvoyant"] = replay_clairvoyant(kept, costs[item.phase])
+            for name, (tokens, seconds) in results.items():
+                totals[name][item.phase][0] += tokens
+                totals[name][item.phase][1] += seconds
+
+    def rate(name: str, phase: str | None = None) -> float:
+        parts = [totals[name][phase]] if phase else list(totals[name].values())
+        return sum(t for t, _ in parts) / sum(s for _, s in parts)
+
+    statics = [name for name in choosers if name.startswith("static:")]
+    odds = [name for name in choosers if name.startswith("knows")]
+    best = max(statics, key=rate)
+    print(f"\n{'phase':>10} {'best static':>14} {'tok/s':>8} {'knows the odds':>16} {'clairvoyant':>12}")
+    oracle_seconds = 0.0
+    for phase in phases:
+        best_here = max(statics, key=lambda n: rate(n, phase))
+        best_odds = max(odds, key=lambda n: rate(n, phase))
+        # The oracle serves each phase's tokens (as drawn under the best static k) at its best rate.
+        oracle_seconds += totals[best][phase][0] / rate(best_here, phase)
+        print(
+            f"{phase:>10} {best_here:>14} {rate(best_here, phase):>8.1f} "
+            f"{rate(best_odds, phase) / rate(best_here, phase):>15.3f}x "
+            f"{rate('clairvoyant', phase) / rate(best_here, phase):>11.3f}x"
+        )
+    best_odds = max(odds, key=rate)
+    oracle = sum(t for t, _ in totals[best].values()) / oracle_seconds
+    print(f"\noverall: best static {best} {rate(best):.1f} tok/s")
+    print(f"  per-phase oracle   {oracle / rate(best):.3f}x")
+    print(f"  knows the odds     {rate(best_odds) / rate(best):.3f}x ({best_odds})")
+    print(f"  clairvoyant        {rate('clairvoyant') / rate(best):.3f}x")
+
+
+def replay_clairvoyant(kept: Seq[bool], cost: Seq[float]) -> tuple[int, float]:
+    """Draft exactly the drafts that will be kept (at most the largest k): no draft is wasted."""
+    tokens, seconds, at = 0, 0.0, 0
+    while at < len(kept):
+        run = 0
+        while run < len(cost) - 1 and at + run < len(kept) - 1 and kept[at + run]:
+            run += 1
+        tokens += run + 1
+        seconds += cost[run]
+        at += run + 1
+    return tokens, seconds
+
+
+if __name__ == "__main__":
+    main()
