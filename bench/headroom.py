@@ -37,18 +37,20 @@ import torch
 from bench.spec import WorkItem, read_workload
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter
+from engine.drafters import DraftModelDrafter, int8_linears
 from engine.generate import generate
+from engine.model import Transformer
 from engine.request import Request
 from engine.sampling import target_probs
 
-# Chooses the drafts of a round from the chances of the positions ahead: returns k.
-Chooser = Callable[[Seq[float]], int]
+# Chooses k for a round that starts at position `at`, from each position's chance that its draft
+# is kept (and, for the clairvoyant alone, from whether it will be).
+Chooser = Callable[[Seq[float], Seq[bool], int], int]
 
 
 @torch.inference_mode()
-def keep_chances(target: Checkpoint, draft: DraftModelDrafter, items: Seq[WorkItem]) -> list[list[float]]:
-    """Per request, the chance that a draft at each output position is kept."""
+def keep_chances(target: Checkpoint, draft: Transformer, items: Seq[WorkItem]) -> list[list[float]]:
+    """Per request, the chance that a draft of `draft` at each output position is kept."""
     chances = []
     for line, item in enumerate(items):
         params = item.params if item.params.seed is not None else replace(item.params, seed=line)
@@ -57,7 +59,7 @@ def keep_chances(target: Checkpoint, draft: DraftModelDrafter, items: Seq[WorkIt
         text = torch.tensor([prompt + output])
         first = len(prompt) - 1  # the logits that predict the first output token
         p_logits = target.model.forward_train(text)[0, first : first + len(output)].float()
-        q_logits = draft.model.forward_train(text)[0, first : first + len(output)].float()
+        q_logits = draft.forward_train(text)[0, first : first + len(output)].float()
         if params.greedy:
             chances.append((q_logits.argmax(-1) == torch.tensor(output)).float().tolist())
         else:
@@ -94,7 +96,7 @@ def replay(kept: Seq[bool], chances: Seq[float], cost: Seq[float], choose: Choos
     """Tokens and seconds of decoding one request whose drafts are kept as `kept` says."""
     tokens, seconds, at = 0, 0.0, 0
     while at < len(kept):
-        k = min(choose(chances[at:]), len(kept) - at - 1, len(cost) - 1)
+        k = min(choose(chances, kept, at), len(kept) - at - 1, len(cost) - 1)
         run = 0
         while run < k and kept[at + run]:
             run += 1
@@ -105,16 +107,29 @@ def replay(kept: Seq[bool], chances: Seq[float], cost: Seq[float], choose: Choos
 
 
 def static(k: int) -> Chooser:
-    return lambda _: k
+    return lambda chances, kept, at: k
 
 
 def knows_the_odds(threshold: float, max_steps: int) -> Chooser:
-    def choose(ahead: Seq[float]) -> int:
+    def choose(chances: Seq[float], kept: Seq[bool], at: int) -> int:
         survive, k = 1.0, 0
-        for chance in ahead[:max_steps]:
+        for chance in chances[at : at + max_steps]:
             survive *= chance
             if survive < threshold:
                 break
+            k += 1
+        return k
+
+    return choose
+
+
+def clairvoyant(max_steps: int) -> Chooser:
+    """Drafts exactly the drafts that will be kept: none is wasted, and the round ends on the
+    target's own token."""
+
+    def choose(chances: Seq[float], kept: Seq[bool], at: int) -> int:
+        k = 0
+        while k < max_steps and at + k < len(kept) and kept[at + k]:
             k += 1
         return k
 
@@ -132,8 +147,7 @@ def main(argv: Seq[str] | None = None) -> None:
 
     items = read_workload(args.workload)
     target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
-    quantized = DraftModelDrafter(draft, 1, 16, quantize=True)
-    chances = keep_chances(target, quantized, items)
+    chances = keep_chances(target, int8_linears(draft.model), items)  # as the engine drafts on CPU
     phases = sorted({item.phase for item in items})
     costs = {
         phase: round_seconds(target, draft, next(i for i in items if i.phase == phase), args.max_steps)
@@ -148,12 +162,12 @@ def main(argv: Seq[str] | None = None) -> None:
     choosers: dict[str, Chooser] = {f"static:{k}": static(k) for k in range(args.max_steps + 1)}
     for threshold in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
         choosers[f"knows the odds >= {threshold}"] = knows_the_odds(threshold, args.max_steps)
+    choosers["clairvoyant"] = clairvoyant(args.max_steps)
     totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
     for item, request, request_draws in zip(items, chances, draws):
         for kept in request_draws:
-            results = {name: replay(kept, request, costs[item.phase], choose) for name, choose in choosers.items()}
-            results["clairvoyant"] = replay_clairvoyant(kept, costs[item.phase])
-            for name, (tokens, seconds) in results.items():
+            for name, choose in choosers.items():
+                tokens, seconds = replay(kept, request, costs[item.phase], choose)
                 totals[name][item.phase][0] += tokens
                 totals[name][item.phase][1] += seconds
 
@@ -182,19 +196,6 @@ def main(argv: Seq[str] | None = None) -> None:
     print(f"  per-phase oracle   {oracle / rate(best):.3f}x")
     print(f"  knows the odds     {rate(best_odds) / rate(best):.3f}x ({best_odds})")
     print(f"  clairvoyant        {rate('clairvoyant') / rate(best):.3f}x")
-
-
-def replay_clairvoyant(kept: Seq[bool], cost: Seq[float]) -> tuple[int, float]:
-    """Draft exactly the drafts that will be kept (at most the largest k): no draft is wasted."""
-    tokens, seconds, at = 0, 0.0, 0
-    while at < len(kept):
-        run = 0
-        while run < len(cost) - 1 and at + run < len(kept) - 1 and kept[at + run]:
-            run += 1
-        tokens += run + 1
-        seconds += cost[run]
-        at += run + 1
-    return tokens, seconds
 
 
 if __name__ == "__main__":

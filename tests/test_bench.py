@@ -41,7 +41,7 @@ def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):
 
 
 def test_headroom_replays_each_way_of_choosing_k_on_the_same_kept_drafts():
-    from bench.headroom import knows_the_odds, replay, replay_clairvoyant, static
+    from bench.headroom import clairvoyant, knows_the_odds, replay, static
 
     kept = [True, True, False, True, True, True, True, False]
     cost = [1.0, 2.0, 3.0, 4.0]  # seconds of a round with k = 0..3 drafts
@@ -49,10 +49,10 @@ def test_headroom_replays_each_way_of_choosing_k_on_the_same_kept_drafts():
     # k = 3: rounds keep 2 (+1), 3 (+1), then one token is left: a round of k = 0.
     assert replay(kept, [0.5] * 8, cost, static(3)) == (8, 9.0)
     # Drafting exactly what will be kept: runs of 2 and 3 (capped by the largest k), then k = 0.
-    assert replay_clairvoyant(kept, cost) == (8, 3.0 + 4.0 + 1.0)
+    assert replay(kept, [0.5] * 8, cost, clairvoyant(3)) == (8, 3.0 + 4.0 + 1.0)
     # Told the odds, a policy drafts while the chance that every draft is kept stays above 0.5.
-    assert knows_the_odds(0.5, 3)([0.9, 0.8, 0.5, 0.9]) == 2
-    assert knows_the_odds(0.5, 3)([0.4, 1.0]) == 0
+    assert knows_the_odds(0.5, 3)([0.9, 0.8, 0.5, 0.9], kept, 0) == 2
+    assert knows_the_odds(0.5, 3)([0.9, 0.4, 1.0], kept, 1) == 0
 
 
 def test_headroom_measures_keep_chances_from_the_draft_against_the_target(tmp_path, capsys):
@@ -60,7 +60,6 @@ def test_headroom_measures_keep_chances_from_the_draft_against_the_target(tmp_pa
     from bench.headroom import main as headroom_main
     from bench.spec import read_workload
     from engine.checkpoint import load_checkpoint
-    from engine.drafters import DraftModelDrafter
 
     target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path / "target")
     draft_dir = perturbed_copy(target_dir, tmp_path / "draft", scale=0.5)
@@ -72,9 +71,9 @@ def test_headroom_measures_keep_chances_from_the_draft_against_the_target(tmp_pa
     workload.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     items = read_workload(workload)
     target = load_checkpoint(target_dir)
-    same = keep_chances(target, DraftModelDrafter(target, 1, 16), items)
+    same = keep_chances(target, target.model, items)
     assert all(abs(c - 1.0) < 1e-5 for request in same for c in request)  # a draft that is the target
-    greedy, sampled = keep_chances(target, DraftModelDrafter(load_checkpoint(draft_dir), 1, 16), items)
+    greedy, sampled = keep_chances(target, load_checkpoint(draft_dir).model, items)
     assert set(greedy) <= {0.0, 1.0} and 0.0 in greedy  # greedy: the argmax agrees or not
     assert all(0.0 < c <= 1.0 + 1e-6 for c in sampled) and min(sampled) < 0.99
     headroom_main(
