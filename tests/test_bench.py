@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bench.spec import main as spec_main
 from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model
 
 
-def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):
+def tiny_setup(tmp_path: Path, lines: list[dict], draft_scale: float) -> tuple[Path, Path, Path]:
+    """A tiny target, a draft perturbed from it, and a workload file of `lines`."""
     target = save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path / "target")
-    draft = perturbed_copy(target, tmp_path / "draft", scale=0.2)
+    draft = perturbed_copy(target, tmp_path / "draft", scale=draft_scale)
     workload = tmp_path / "work.jsonl"
+    workload.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return target, draft, workload
+
+
+def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):
     lines = [
         {"prompt": "w3 w4 w5 w3 w4", "max_tokens": 24, "phase": "high"},
         {"prompt": "w9 w8", "max_tokens": 24, "temperature": 1.0, "seed": 3, "phase": "low"},
         {"prompt": "w3 w4 w5", "max_tokens": 16, "phase": "high", "stop": ["w7"]},
     ]
-    workload.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    target, draft, workload = tiny_setup(tmp_path, lines, draft_scale=0.2)
     out, plot = tmp_path / "out.json", tmp_path / "plot.png"
     modes = "none,static:1,static:3,adaptive:ema,adaptive:goodput"
     spec_main(
@@ -61,14 +68,11 @@ def test_headroom_measures_keep_chances_from_the_draft_against_the_target(tmp_pa
     from bench.spec import read_workload
     from engine.checkpoint import load_checkpoint
 
-    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path / "target")
-    draft_dir = perturbed_copy(target_dir, tmp_path / "draft", scale=0.5)
-    workload = tmp_path / "work.jsonl"
     lines = [
         {"prompt": "w3 w4 w5 w3 w4", "max_tokens": 24, "phase": "high"},
         {"prompt": "w9 w8", "max_tokens": 24, "temperature": 1.0, "phase": "low"},
     ]
-    workload.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    target_dir, draft_dir, workload = tiny_setup(tmp_path, lines, draft_scale=0.5)
     items = read_workload(workload)
     target = load_checkpoint(target_dir)
     same = keep_chances(target, target.model, items)
