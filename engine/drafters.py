@@ -176,7 +176,7 @@ class NgramIndex:
             # tokens[end] follows the n-grams that end just before it.
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.starts[tuple(tokens[end - n : end])] = end - n
-        self.read = max(self.read, len(tokens))
+        self.read = len(tokens)
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = self.starts.get(tuple(tokens[length - n :]))
@@ -208,10 +208,7 @@ class NgramDrafter:
         return [Proposal(self.lookup(seq, k) if k > 0 else []) for seq, k in zip(seqs, ks)]
 
     def lookup(self, seq: Sequence, k: int) -> list[int]:
-        index = self.indexes.get(seq)
-        if index is None:
-            index = self.indexes[seq] = NgramIndex(self.min_n, self.max_n)
-        return index.continuation(seq.tokens, k)
+        return self.indexes[seq].continuation(seq.tokens, k)
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
         pass
