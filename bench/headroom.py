@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-from collections import defaultdict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.spec import WorkItem, read_workload
+from bench.spec import ModeReport, WorkItem, per_phase_oracle, phase_rate, read_workload
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.core import Engine
 from engine.drafters import DraftModelDrafter, int8_linears
@@ -163,35 +162,33 @@ def main(argv: Seq[str] | None = None) -> None:
     for threshold in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
         choosers[f"knows the odds >= {threshold}"] = knows_the_odds(threshold, args.max_steps)
     choosers["clairvoyant"] = clairvoyant(args.max_steps)
-    totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    reports = {name: ModeReport() for name in choosers}
     for item, request, request_draws in zip(items, chances, draws):
         for kept in request_draws:
             for name, choose in choosers.items():
                 tokens, seconds = replay(kept, request, costs[item.phase], choose)
-                totals[name][item.phase][0] += tokens
-                totals[name][item.phase][1] += seconds
+                report = reports[name]
+                report.tokens += tokens
+                report.seconds += seconds
+                report.phase_tokens[item.phase] += tokens
+                report.phase_seconds[item.phase] += seconds
 
-    def rate(name: str, phase: str | None = None) -> float:
-        parts = [totals[name][phase]] if phase else list(totals[name].values())
-        return sum(t for t, _ in parts) / sum(s for _, s in parts)
+    def rate(name: str) -> float:
+        return reports[name].tokens / reports[name].seconds
 
-    statics = [name for name in choosers if name.startswith("static:")]
+    statics = {name: r for name, r in reports.items() if name.startswith("static:")}
     odds = [name for name in choosers if name.startswith("knows")]
     best = max(statics, key=rate)
+    oracle, fastest = per_phase_oracle(statics, phases)
     print(f"\n{'phase':>10} {'best static':>14} {'tok/s':>8} {'knows the odds':>16} {'clairvoyant':>12}")
-    oracle_seconds = 0.0
     for phase in phases:
-        best_here = max(statics, key=lambda n: rate(n, phase))
-        best_odds = max(odds, key=lambda n: rate(n, phase))
-        # The oracle serves each phase's tokens (as drawn under the best static k) at its best rate.
-        oracle_seconds += totals[best][phase][0] / rate(best_here, phase)
+        best_here = phase_rate(reports[fastest[phase]], phase)
+        best_odds = max(phase_rate(reports[name], phase) for name in odds)
         print(
-            f"{phase:>10} {best_here:>14} {rate(best_here, phase):>8.1f} "
-            f"{rate(best_odds, phase) / rate(best_here, phase):>15.3f}x "
-            f"{rate('clairvoyant', phase) / rate(best_here, phase):>11.3f}x"
+            f"{phase:>10} {fastest[phase]:>14} {best_here:>8.1f} {best_odds / best_here:>15.3f}x "
+            f"{phase_rate(reports['clairvoyant'], phase) / best_here:>11.3f}x"
         )
     best_odds = max(odds, key=rate)
-    oracle = sum(t for t, _ in totals[best].values()) / oracle_seconds
     print(f"\noverall: best static {best} {rate(best):.1f} tok/s")
     print(f"  per-phase oracle   {oracle / rate(best):.3f}x")
     print(f"  knows the odds     {rate(best_odds) / rate(best):.3f}x ({best_odds})")

@@ -327,21 +327,29 @@ def print_table(reports: dict[str, ModeReport]) -> None:
     if statics:
         best_mode = max(statics, key=lambda m: statics[m].tokens / statics[m].seconds)
         best = statics[best_mode].tokens / statics[best_mode].seconds
-
-        # Sampled requests may stop at EOS sooner in one mode than in another, so phases are
-        # compared by rate: the oracle serves each phase's tokens at that phase's best static rate.
-        def phase_rate(r: ModeReport, p: str) -> float:
-            return r.phase_tokens[p] / max(r.phase_seconds[p], 1e-9)
-
-        fastest = {p: max(statics, key=lambda m: phase_rate(statics[m], p)) for p in phases}
-        tokens = {p: sum(r.phase_tokens[p] for r in statics.values()) / len(statics) for p in phases}
-        oracle = sum(tokens.values()) / sum(tokens[p] / phase_rate(statics[fastest[p]], p) for p in phases)
+        oracle, fastest = per_phase_oracle(statics, phases)
         picks = ", ".join(f"{p}: {fastest[p]}" for p in phases)
         print(f"best static: {best_mode} {best:.1f} tok/s; per-phase oracle: {oracle:.1f} tok/s ({picks})")
         for mode, r in reports.items():
             if mode.startswith("adaptive:"):
                 rate = r.tokens / r.seconds
                 print(f"  {mode}: {rate / best:.3f}x best static, {rate / oracle:.3f}x per-phase oracle")
+
+
+def phase_rate(report: ModeReport, phase: str) -> float:
+    return report.phase_tokens[phase] / max(report.phase_seconds[phase], 1e-9)
+
+
+def per_phase_oracle(statics: dict[str, ModeReport], phases: list[str]) -> tuple[float, dict[str, str]]:
+    """Tokens/s of serving each phase with its fastest static mode, and those modes by phase.
+
+    Sampled requests may stop at EOS sooner in one mode than in another, so phases are compared
+    by rate: the oracle serves each phase's tokens (their mean over the modes) at that phase's
+    best static rate."""
+    fastest = {p: max(statics, key=lambda m: phase_rate(statics[m], p)) for p in phases}
+    tokens = {p: sum(r.phase_tokens[p] for r in statics.values()) / len(statics) for p in phases}
+    oracle = sum(tokens.values()) / sum(tokens[p] / phase_rate(statics[fastest[p]], p) for p in phases)
+    return oracle, fastest
 
 
 def plot(reports: dict[str, ModeReport], out: Path, window: float) -> None:
