@@ -61,20 +61,36 @@ class Drafter(Protocol):
     def release(self, seq: Sequence) -> None: ...
 
 
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights whose input is quantized on the fly (fbgemm's dynamic int8
+    kernel, per-tensor weights as torch.ao's default dynamic qconfig makes them), calling the
+    kernel directly: torch.ao's module spends about 3.5 us of Python around a 10.6 us call (256 to
+    512 features, one row), and a draft step of the default draft model makes nine such calls."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        plain = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        plain.load_state_dict(linear.state_dict())
+        plain.qconfig = torch.ao.quantization.default_dynamic_qconfig
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization points to torchao; it still works
+            quantized = torch.ao.nn.quantized.dynamic.Linear.from_float(plain)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_params = quantized._packed_params._packed_params
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic.default(x, self.packed_params, True)
+
+
 def int8_linears(model: Transformer) -> Transformer:
     """A copy of `model` whose linear layers run with dynamic int8 quantization (CPU kernels)."""
     quantized = Transformer(model.config, model.max_positions)
     quantized.load_state_dict(model.state_dict())
     quantized.eval().requires_grad_(False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization points to torchao; it still works
-        for parent in list(quantized.modules()):
-            for name, child in parent.named_children():
-                if isinstance(child, nn.Linear):
-                    plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                    plain.load_state_dict(child.state_dict())
-                    plain.qconfig = torch.ao.quantization.default_dynamic_qconfig
-                    setattr(parent, name, torch.ao.nn.quantized.dynamic.Linear.from_float(plain))
+    for parent in list(quantized.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child))
     return quantized
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import random
 import threading
+import warnings
 from collections import Counter
 
 import pytest
 import torch
+from torch import nn
 
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.drafters import DraftModelDrafter, Int8Linear, NgramDrafter
 from engine.generate import generate
 from engine.model import ForwardBatch
 from engine.request import Request, Sequence
@@ -398,3 +400,19 @@ def test_the_ngram_drafter_forgets_a_sequence_that_left(pair):
     engine = Engine(target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_steps=3)
     engine.run_until_done([Request(tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS])
     assert drafter.indexes == {}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_int8_draft_layer_computes_what_torch_ao_dynamic_quantization_does(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    linear.qconfig = torch.ao.quantization.default_dynamic_qconfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = torch.ao.nn.quantized.dynamic.Linear.from_float(linear)
+    layer = Int8Linear(linear)
+    for rows in (1, 4, 13):
+        x = torch.randn(rows, 48) * 3
+        assert torch.equal(layer(x), reference(x))
+    # Quantization moved the weights, so this is not the float layer.
+    assert not torch.allclose(layer(x), linear(x), atol=1e-6)
