@@ -75,35 +75,38 @@ class ForwardBatch:
                 raise ValueError(f"slot {slot}: a forward needs at least one new token")
             if start + n > cache.max_seq_len:
                 raise ValueError(f"slot {slot}: {start} + {n} tokens exceed max_seq_len {cache.max_seq_len}")
-        tokens = torch.zeros(len(slots), width, dtype=torch.long)
-        for row, t in enumerate(new_tokens):
-            tokens[row, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-        start_t = torch.tensor(starts, dtype=torch.long)[:, None]
-        offsets = torch.arange(width, dtype=torch.long)[None, :]
-        positions = start_t + offsets
-        real = offsets < torch.tensor(num_new, dtype=torch.long)[:, None]
-        write_pos = torch.where(real, positions, torch.full_like(positions, cache.scratch_pos))
+        # Built as host lists and turned into one tensor each: a decode step's batch is a few
+        # numbers, and every tensor op spent on it costs about a microsecond.
+        offsets = range(width)
+        positions = [[start + j for j in offsets] for start in starts]
+        last = cache.max_seq_len - 1
         kv_len = max(s + n for s, n in zip(starts, num_new))
         mask = None
         ragged = width > 1 or any(s + n != kv_len for s, n in zip(starts, num_new))
         if ragged or (sliding_window is not None and kv_len > sliding_window):
+            query_pos = torch.tensor(positions, dtype=torch.long)[:, :, None]
             key_pos = torch.arange(kv_len, dtype=torch.long)[None, None, :]
-            visible = key_pos <= positions[:, :, None]
+            visible = key_pos <= query_pos
             if sliding_window is not None:
-                visible &= key_pos > positions[:, :, None] - sliding_window
+                visible &= key_pos > query_pos - sliding_window
             mask = visible[:, None].to(device)
         contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
         padded = sum(num_new) < len(slots) * width
+        real = [row * width + j for row, n in enumerate(num_new) for j in range(n)] if padded else None
         return cls(
-            tokens=tokens.to(device),
-            positions=positions.clamp_(max=cache.max_seq_len - 1).to(device),
-            write_pos=write_pos.to(device),
+            tokens=torch.tensor([[*t, *[0] * (width - len(t))] for t in new_tokens], dtype=torch.long, device=device),
+            positions=torch.tensor([[min(p, last) for p in row] for row in positions], dtype=torch.long, device=device),
+            write_pos=torch.tensor(
+                [[p if j < n else cache.scratch_pos for j, p in enumerate(row)] for row, n in zip(positions, num_new)],
+                dtype=torch.long,
+                device=device,
+            ),
             slots=torch.tensor(list(slots), dtype=torch.long, device=device),
             slot_start=slots[0] if contiguous else None,
             num_new=num_new,
             kv_len=kv_len,
             mask=mask,
-            real=real.flatten().nonzero().flatten().to(device) if padded else None,
+            real=torch.tensor(real, dtype=torch.long, device=device) if real is not None else None,
         )
 
 
