@@ -42,7 +42,7 @@ from pathlib import Path
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller
 from engine.core import Engine
-from engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from engine.drafters import Drafter, make_drafter
 from engine.policy import PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=Path, default=None, help="TOML config: its [engine] and [adaptive]")
     parser.add_argument("--target", default=None, help="target checkpoint (default: config, or models/target)")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: config, or models/draft)")
-    parser.add_argument("--drafter", choices=["draft_model", "ngram"], default=None)
+    parser.add_argument("--drafter", choices=["draft_model", "hybrid", "ngram"], default=None)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2, help="runs of all the modes side by side; figures add up")
     parser.add_argument("--json", type=Path, default=None)
@@ -408,13 +408,18 @@ def main(argv: list[str] | None = None) -> None:
     settings = bench_settings(args)
     target = load_checkpoint(settings["target"])
     drafter_kind = settings["drafter"]
-    draft = load_checkpoint(settings["draft"]) if drafter_kind == "draft_model" else None
+    draft = load_checkpoint(settings["draft"]) if drafter_kind in ("draft_model", "hybrid") else None
 
-    def drafter_factory() -> Drafter:
-        if draft is not None:
-            quantize = settings["draft_quantization"] == "int8"
-            return DraftModelDrafter(draft, args.concurrency, args.max_seq_len, quantize=quantize)
-        return NgramDrafter(settings["ngram_min"], settings["ngram_max"])
+    def drafter_factory() -> Drafter | None:
+        return make_drafter(
+            drafter_kind,
+            draft,
+            args.concurrency,
+            args.max_seq_len,
+            quantize=settings["draft_quantization"] == "int8",
+            ngram_min=settings["ngram_min"],
+            ngram_max=settings["ngram_max"],
+        )
 
     print(
         f"workload {args.workload} ({len(items)} requests), concurrency {args.concurrency}, "

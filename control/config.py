@@ -162,13 +162,14 @@ SLOT_KEYS: Mapping[str, Key] = {
 SCHEMA: Mapping[str, Section] = {
     "engine": Section(EngineSettings, live=False, doc="models, device and capacity", keys={
         "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
-        "drafter": Key("str", "draft_model", "how drafts are proposed", choices=("draft_model", "ngram", "none")),
-        "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model"),
+        "drafter": Key("str", "draft_model", "how drafts are proposed",
+                       choices=("draft_model", "hybrid", "ngram", "none")),
+        "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model or hybrid"),
         "draft_quantization": Key(
             "str", "int8", "draft model linear layers: int8 (dynamic, CPU only) or none", choices=("int8", "none")
         ),
-        "ngram_min": Key("int", 1, "shortest n-gram the ngram drafter matches", lo=1),
-        "ngram_max": Key("int", 4, "longest n-gram the ngram drafter matches", lo=1),
+        "ngram_min": Key("int", 1, "shortest n-gram the ngram and hybrid drafters match", lo=1),
+        "ngram_max": Key("int", 4, "longest n-gram the ngram and hybrid drafters match", lo=1),
         "device": Key("str", "cpu", "where the models run", pattern=_DEVICE,
                       pattern_doc="'cpu', 'cuda', 'cuda:N', 'npu' or 'npu:N'"),
         "dtype": Key("str", "auto", "weight and activation dtype; auto = float32 on cpu, bfloat16 on accelerators",

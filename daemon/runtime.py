@@ -9,7 +9,7 @@ from control.config import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
-from engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from engine.drafters import Drafter, DraftModelDrafter, make_drafter
 from engine.loop import EngineLoop, StepObserver
 
 
@@ -25,14 +25,19 @@ def required_steps(snapshot: ConfigSnapshot) -> tuple[int, ...]:
 
 def build_drafter(snapshot: ConfigSnapshot, progress: Callable[[str], None]) -> Drafter | None:
     engine = snapshot.engine
-    if engine.drafter == "none":
-        return None
-    if engine.drafter == "ngram":
-        return NgramDrafter(engine.ngram_min, engine.ngram_max)
-    progress(f"loading draft {engine.draft}")
-    draft = load_checkpoint(engine.draft, engine.device, None if engine.dtype == "auto" else engine.dtype)
-    quantize = engine.draft_quantization == "int8"
-    return DraftModelDrafter(draft, engine.max_batch_size, engine.max_seq_len, quantize=quantize)
+    draft = None
+    if engine.drafter in ("draft_model", "hybrid"):
+        progress(f"loading draft {engine.draft}")
+        draft = load_checkpoint(engine.draft, engine.device, None if engine.dtype == "auto" else engine.dtype)
+    return make_drafter(
+        engine.drafter,
+        draft,
+        engine.max_batch_size,
+        engine.max_seq_len,
+        quantize=engine.draft_quantization == "int8",
+        ngram_min=engine.ngram_min,
+        ngram_max=engine.ngram_max,
+    )
 
 
 def build_engine(

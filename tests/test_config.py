@@ -180,7 +180,7 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ('[admin]\nmode = "rw-rw----"\n', "admin.mode", "octal digits"),
         ('[admin]\nmode = "04755"\n', "admin.mode", "octal digits"),
         ("[admin]\nmode = 0o600\n", "admin.mode", "got the integer 384"),
-        ('[engine]\ndrafter = "eagle"\n', "engine.drafter", "must be one of 'draft_model', 'ngram', 'none'"),
+        ('[engine]\ndrafter = "eagle"\n', "engine.drafter", "must be one of 'draft_model', 'hybrid', 'ngram', 'none'"),
         ('[adaptive]\nstrategy = "goodptu"\n', "adaptive.strategy", "did you mean 'goodput'"),
         ('[engine]\ndevice = "gpu"\n', "engine.device", "'cpu', 'cuda', 'cuda:N', 'npu' or 'npu:N'"),
         ('[engine]\ndevice = "cuda:x"\n', "engine.device", "'cuda:N'"),

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter, Int8Linear, NgramDrafter
+from engine.drafters import DraftModelDrafter, HybridDrafter, Int8Linear, NgramDrafter
 from engine.generate import generate
 from engine.model import ForwardBatch
 from engine.request import Request, Sequence
@@ -29,6 +29,8 @@ MAX_SEQ_LEN = 96
 def make_drafter(kind: str, draft, max_batch_size: int):
     if kind.startswith("draft_model"):
         return DraftModelDrafter(draft, max_batch_size, MAX_SEQ_LEN, quantize=kind.endswith("int8"))
+    if kind == "hybrid":
+        return HybridDrafter(draft, max_batch_size, MAX_SEQ_LEN, min_n=1, max_n=3)
     return NgramDrafter(min_n=1, max_n=3)
 
 
@@ -36,7 +38,7 @@ def reference(target, prompts, params):
     return [c.tokens for c in generate(target, prompts, params)]
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram", "hybrid"])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_output_equals_target_only_for_every_k(pair, kind, batch_size):
     target, draft = pair
@@ -55,7 +57,7 @@ def test_greedy_output_equals_target_only_for_every_k(pair, kind, batch_size):
     assert accepted > 0  # speculation really happened, it did not just fall back to decoding
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "hybrid"])
 def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, kind):
     target, draft = pair
     params = SamplingParams(max_tokens=48, ignore_eos=True)
@@ -127,9 +129,10 @@ def test_stop_string_inside_an_accepted_run(pair):
     assert len(expected) < 30
 
 
-def test_caches_after_rollback_equal_a_fresh_prefill(pair):
+@pytest.mark.parametrize("kind", ["draft_model", "hybrid"])
+def test_caches_after_rollback_equal_a_fresh_prefill(pair, kind):
     target, draft = pair
-    drafter = DraftModelDrafter(draft, 4, MAX_SEQ_LEN)
+    drafter = make_drafter(kind, draft, 4)
     engine = Engine(target, drafter, 4, MAX_SEQ_LEN, [5])
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     for prompt in PROMPTS:
@@ -198,7 +201,7 @@ def assert_follows_marginals(outputs, requests, marginals) -> None:
         assert chi2 < 24.3, (position, chi2, dof, observed.tolist(), expected.tolist())
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram", "hybrid"])
 def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pair, kind):
     """Chi-square of the 2nd and 3rd sampled tokens (both come out of verification) against the
     target's exact marginals."""
@@ -416,3 +419,32 @@ def test_the_int8_draft_layer_computes_what_torch_ao_dynamic_quantization_does(b
         assert torch.equal(layer(x), reference(x))
     # Quantization moved the weights, so this is not the float layer.
     assert not torch.allclose(layer(x), linear(x), atol=1e-6)
+
+
+def test_the_hybrid_drafter_proposes_a_greedy_sequences_own_continuation_without_the_model(pair):
+    target, draft = pair
+    drafter = HybridDrafter(draft, 4, MAX_SEQ_LEN, min_n=1, max_n=3)
+    greedy, sampled = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+    repeating = [3, 4, 5, 6, 7, 3, 4]  # seen before: 3, 4 was followed by 5, 6, 7
+    seqs = [
+        Sequence(Request(tuple(repeating), greedy), slot=0, generator=None, tokens=list(repeating)),
+        Sequence(
+            Request(tuple(repeating), sampled),
+            slot=1,
+            generator=sampled.generator(torch.device("cpu")),
+            tokens=list(repeating),
+        ),
+        Sequence(Request((20, 21), greedy), slot=2, generator=None, tokens=[20, 21]),  # 21 never seen before
+    ]
+    drafter.admit(seqs)
+    fed = [drafter.cache.lengths[s.draft_slot] for s in seqs]
+    proposals = drafter.propose(seqs, [3, 3, 3])
+    assert proposals[0].tokens == [5, 6, 7] and proposals[0].probs is None
+    assert drafter.cache.lengths[seqs[0].draft_slot] == fed[0]  # the model did not run for it
+    # A sampled sequence, and one whose context has no match, draft with the model.
+    assert proposals[1].sampled and proposals[1].probs is not None and len(proposals[1].tokens) == 3
+    assert len(proposals[2].tokens) == 3 and len(proposals[2].confidence) == 3
+    assert drafter.cache.lengths[seqs[2].draft_slot] > fed[2]
+    for seq in seqs:
+        drafter.release(seq)
+    assert drafter.lookups.indexes == {} and drafter.cache.free_slots == 4
