@@ -329,7 +329,9 @@ class Engine:
                 len(proposal.tokens),
                 kept,
                 verified=True,
-                draft=DraftRecord(tuple(proposal.confidence), proposal.sampled, proposal.acceptance),
+                draft=DraftRecord(
+                    tuple(proposal.confidence), proposal.sampled, proposal.acceptance, proposal.looked_up
+                ),
             )
             accepted.append(kept)
         judged = [seq.acceptance for seq, proposal in zip(seqs, proposals) if proposal.tokens]

@@ -44,6 +44,7 @@ class Proposal:
     confidence: list[float] = field(default_factory=list)
     sampled: bool = False  # drawn from `probs` (else the drafter's greedy choice)
     acceptance: float = 0.5  # the sequence's recent acceptance when it was drafted (Sequence.acceptance)
+    looked_up: bool = False  # found in the sequence's own context rather than drafted by a model
 
 
 class Drafter(Protocol):
@@ -197,7 +198,13 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = self.starts.get(tuple(tokens[length - n :]))
             if start is not None:
-                return list(tokens[start + n : start + n + k])
+                out = list(tokens[start + n : start + n + k])
+                # A match `period` tokens back repeats with that period: where what followed it
+                # runs into the end of the context, the continuation goes on copying itself.
+                period = length - start - n
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
 
@@ -243,6 +250,8 @@ class HybridDrafter(DraftModelDrafter):
     verifying them. Sequences without a match, and every sampled one, draft with the model: a
     deterministic draft x of a sampled sequence is kept with probability p(x) only, and at
     temperature 1 the lookups gained nothing while their long chains cost the goodput policy.
+    A looked-up chain is offered to `keep_drafting` token by token, as a drafted one is step by
+    step, so a policy can end it where another token no longer pays for its place in the verify.
     The draft model's cache catches up on what the lookups proposed at its next step.
     """
 
@@ -269,7 +278,13 @@ class HybridDrafter(DraftModelDrafter):
         proposals = super().propose(seqs, [0 if tokens else k for tokens, k in zip(found, ks)], keep_drafting)
         for proposal, tokens in zip(proposals, found):
             if tokens:
-                proposal.tokens = tokens  # deterministic: no distribution, no model confidence
+                # Deterministic: the drafter's probability of each token is 1.
+                proposal.looked_up, proposal.confidence = True, [1.0]
+                proposal.tokens = tokens[:1]
+                # Asked token by token, as a model's chain is asked step by step.
+                while len(proposal.tokens) < len(tokens) and (keep_drafting is None or keep_drafting([proposal])[0]):
+                    proposal.tokens.append(tokens[len(proposal.tokens)])
+                    proposal.confidence.append(1.0)
         return proposals
 
     def release(self, seq: Sequence) -> None:

@@ -108,6 +108,13 @@ class Observation:
     def batch_size(self) -> int:
         return len(self.accepted)
 
+    @property
+    def draft_steps(self) -> int:
+        """Steps the drafter ran: the longest chain it drafted (a looked-up chain took none)."""
+        if not self.chains:
+            return max(self.proposed, default=0)
+        return max((p for p, chain in zip(self.proposed, self.chains) if not chain.looked_up), default=0)
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -149,6 +156,9 @@ class DraftChain(Protocol):
     @property
     def acceptance(self) -> float: ...  # the sequence's recent acceptance when it drafted
 
+    @property
+    def looked_up(self) -> bool: ...  # found in the context (no model step; confidence 1 each)
+
 
 @dataclass(frozen=True)
 class DraftRecord:
@@ -157,6 +167,15 @@ class DraftRecord:
     confidence: tuple[float, ...] = ()
     sampled: bool = False
     acceptance: float = 0.5
+    looked_up: bool = False
+
+
+def chain_kind(chain: DraftChain) -> str:
+    """Which calibration a chain's drafts belong to: a greedy draft is kept when it is the target's
+    argmax, a sampled one with min(1, p/q), and a looked-up one as often as the context repeats."""
+    if chain.looked_up:
+        return "looked_up"
+    return "sampled" if chain.sampled else "greedy"
 
 
 # Asked by a drafter after each draft step, with the chains of every sequence still drafting:
@@ -325,6 +344,7 @@ class CostModel:
 
     def record(self, observation: Observation) -> None:
         steps = max(observation.proposed, default=0)
+        drafted = observation.draft_steps
         key = (steps, observation.batch_size)
         old = self.verify.get(key)
         seconds = observation.verify_seconds
@@ -333,9 +353,9 @@ class CostModel:
         self.rounds += 1
         self.last_seen[key] = self.rounds
         self.verify_fit.add(observation.batch_size * (steps + 1), seconds)
-        if steps > 0:
-            self.draft_fit.add(observation.batch_size, observation.draft_seconds / steps)
-            self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(steps, observation.draft_seconds)
+        if drafted > 0:
+            self.draft_fit.add(observation.batch_size, observation.draft_seconds / drafted)
+            self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(drafted, observation.draft_seconds)
 
     def draft_seconds(self, steps: int, batch_size: int) -> float | None:
         fit = self.draft_by_steps.get(batch_size)
@@ -457,7 +477,7 @@ class GoodputPolicy:
         # choosing k = 0. The cutoff reads each sequence's own recent acceptance instead.
         self.rate_alpha = 0.05
         self.costs = CostModel()
-        self.calibration = {False: Calibration(), True: Calibration()}  # by whether drafts are sampled
+        self.calibration = {kind: Calibration() for kind in ("greedy", "sampled", "looked_up")}  # see chain_kind
         self.batch_size = 1
         # By batch size: tokens emitted and seconds taken by recent rounds (sums that fade).
         self.served: dict[int, tuple[float, float]] = {}
@@ -514,7 +534,7 @@ class GoodputPolicy:
         self.batch_size = observation.batch_size
         self._measure_throughput(observation)
         for chain, accepted in zip(observation.chains, observation.accepted):
-            self.calibration[chain.sampled].learn(chain.confidence, accepted, chain.acceptance)
+            self.calibration[chain_kind(chain)].learn(chain.confidence, accepted, chain.acceptance)
         if self._steps == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:
@@ -560,7 +580,11 @@ class GoodputPolicy:
         # longest: another step widens it by a token for every sequence in the batch, however
         # few go on. So the chains go on or stop together; one that stopped alone would save
         # only its row of the draft step (about a fifteenth of the step at batch 4).
-        step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
+        verify_seconds = batch * self.costs.verify_fit.slope()
+        # A looked-up token takes no draft step, only its place in the verify forward (the hybrid
+        # drafter asks about each looked-up chain on its own).
+        looked_up = all(chain.looked_up for chain in chains)
+        step_price = rate * (verify_seconds if looked_up else step_seconds + verify_seconds)
         # The next draft of a chain is kept if every draft so far is (the drafter's calibrated
         # confidence in each) and then as often as drafts of sequences with its recent acceptance
         # are: its own recent acceptance follows a change of traffic at once, where rates pooled
@@ -568,7 +592,7 @@ class GoodputPolicy:
         # drafts are worth less still, so if the next step does not pay, no later one does.
         gain = 0.0
         for chain in chains:
-            calibration = self.calibration[chain.sampled]
+            calibration = self.calibration[chain_kind(chain)]
             survive = calibration.next_draft(chain.acceptance)
             for c in chain.confidence:
                 survive *= calibration.probability(c, chain.acceptance)

@@ -373,12 +373,17 @@ def test_a_new_sequence_starts_from_the_acceptance_of_the_traffic_before_it(pair
 
 
 def latest_continuation(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup by scanning the context: the reference the n-gram index must agree with."""
+    """Prompt lookup by scanning the context: the reference the n-gram index must agree with.
+    What followed the match is read from the context extended by the proposal itself, so a match
+    d tokens back repeats with period d past the end of the context."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[len(tokens) - n :]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[start + n + i])
+                return extended[len(tokens) :]
     return []
 
 
@@ -425,7 +430,7 @@ def test_the_hybrid_drafter_proposes_a_greedy_sequences_own_continuation_without
     target, draft = pair
     drafter = HybridDrafter(draft, 4, MAX_SEQ_LEN, min_n=1, max_n=3)
     greedy, sampled = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=0)
-    repeating = [3, 4, 5, 6, 7, 3, 4]  # seen before: 3, 4 was followed by 5, 6, 7
+    repeating = [3, 4, 5, 6, 7, 3, 4]  # seen before: 3, 4 was followed by 5, 6, 7, then 3, 4 again
     seqs = [
         Sequence(Request(tuple(repeating), greedy), slot=0, generator=None, tokens=list(repeating)),
         Sequence(
@@ -439,7 +444,7 @@ def test_the_hybrid_drafter_proposes_a_greedy_sequences_own_continuation_without
     drafter.admit(seqs)
     fed = [drafter.cache.lengths[s.draft_slot] for s in seqs]
     proposals = drafter.propose(seqs, [3, 3, 3])
-    assert proposals[0].tokens == [5, 6, 7] and proposals[0].probs is None
+    assert proposals[0].tokens == [5, 6, 7] and proposals[0].probs is None and proposals[0].looked_up
     assert drafter.cache.lengths[seqs[0].draft_slot] == fed[0]  # the model did not run for it
     # A sampled sequence, and one whose context has no match, draft with the model.
     assert proposals[1].sampled and proposals[1].probs is not None and len(proposals[1].tokens) == 3
@@ -448,3 +453,30 @@ def test_the_hybrid_drafter_proposes_a_greedy_sequences_own_continuation_without
     for seq in seqs:
         drafter.release(seq)
     assert drafter.lookups.indexes == {} and drafter.cache.free_slots == 4
+
+
+def test_a_lookup_that_runs_into_the_end_of_the_context_repeats_with_its_period():
+    drafter = NgramDrafter(1, 3)
+    seq = Sequence(Request((1,)), slot=0, generator=None, tokens=[9, 1, 2, 1, 2])
+    drafter.admit([seq])
+    # [1, 2] last occurred two tokens back: what followed it is the context's end, then itself.
+    assert drafter.propose([seq], [5])[0].tokens == [1, 2, 1, 2, 1]
+
+
+def test_a_looked_up_chain_is_offered_to_the_cutoff_token_by_token(pair):
+    _, draft = pair
+    drafter = HybridDrafter(draft, 1, MAX_SEQ_LEN, min_n=1, max_n=3)
+    seq = Sequence(
+        Request((9, 1, 2, 1, 2), SamplingParams(max_tokens=16)), slot=0, generator=None, tokens=[9, 1, 2, 1, 2]
+    )
+    drafter.admit([seq])
+    asked: list[list[int]] = []
+
+    def two_at_most(chains) -> list[bool]:
+        asked.extend(list(c.tokens) for c in chains)
+        return [len(c.tokens) < 2 and c.looked_up for c in chains]
+
+    (proposal,) = drafter.propose([seq], [6], two_at_most)
+    assert proposal.looked_up and proposal.tokens == [1, 2] and proposal.confidence == [1.0, 1.0]
+    assert asked == [[1], [1, 2]]
+    assert drafter.propose([seq], [6])[0].tokens == [1, 2, 1, 2, 1, 2]  # no cutoff: the ceiling
