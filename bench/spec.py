@@ -458,7 +458,7 @@ def bench_settings(args: argparse.Namespace) -> dict:
     settings = {
         "target": str(ROOT / "models" / "target"),
         "draft": str(ROOT / "models" / "draft"),
-        "drafter": "draft_model",
+        "drafter": "hybrid",
         "draft_quantization": "int8",
         "ngram_min": 1,
         "ngram_max": 4,

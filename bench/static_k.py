@@ -1,4 +1,4 @@
-"""Static step counts against no speculation, for both drafters, at batch 1 and 4.
+"""Static step counts against no speculation, for each drafter, at batch 1 and 4.
 
     python -m bench.static_k [--prompts 8] [--max-tokens 128]
 
@@ -14,7 +14,7 @@ import argparse
 from bench.prompts import code_prompts
 from bench.spec import WorkItem, build_controller, run_mode
 from engine.checkpoint import load_checkpoint
-from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter
 from engine.policy import PolicyParams
 from engine.sampling import SamplingParams
 
@@ -44,6 +44,7 @@ def main() -> None:
         factories = {
             "draft_model": lambda b=batch: DraftModelDrafter(draft, b, max_seq_len, quantize=args.quantize),
             "ngram": lambda: NgramDrafter(1, 4),
+            "hybrid": lambda b=batch: HybridDrafter(draft, b, max_seq_len, quantize=args.quantize),
         }
         warm = build_controller("static:3", target, factories["draft_model"], batch, max_seq_len, PolicyParams())
         run_mode(warm, items[:batch], target.tokenizer, batch)

@@ -162,7 +162,7 @@ SLOT_KEYS: Mapping[str, Key] = {
 SCHEMA: Mapping[str, Section] = {
     "engine": Section(EngineSettings, live=False, doc="models, device and capacity", keys={
         "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
-        "drafter": Key("str", "draft_model", "how drafts are proposed",
+        "drafter": Key("str", "hybrid", "how drafts are proposed",
                        choices=("draft_model", "hybrid", "ngram", "none")),
         "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model or hybrid"),
         "draft_quantization": Key(
