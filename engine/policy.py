@@ -157,7 +157,7 @@ class DraftChain(Protocol):
     def acceptance(self) -> float: ...  # the sequence's recent acceptance when it drafted
 
     @property
-    def looked_up(self) -> bool: ...  # found in the context (no model step; confidence 1 each)
+    def looked_up(self) -> bool: ...  # found in the sequence's own context: no model step
 
 
 @dataclass(frozen=True)
@@ -168,14 +168,6 @@ class DraftRecord:
     sampled: bool = False
     acceptance: float = 0.5
     looked_up: bool = False
-
-
-def chain_kind(chain: DraftChain) -> str:
-    """Which calibration a chain's drafts belong to: a greedy draft is kept when it is the target's
-    argmax, a sampled one with min(1, p/q), and a looked-up one as often as the context repeats."""
-    if chain.looked_up:
-        return "looked_up"
-    return "sampled" if chain.sampled else "greedy"
 
 
 # Asked by a drafter after each draft step, with the chains of every sequence still drafting:
@@ -477,7 +469,7 @@ class GoodputPolicy:
         # choosing k = 0. The cutoff reads each sequence's own recent acceptance instead.
         self.rate_alpha = 0.05
         self.costs = CostModel()
-        self.calibration = {kind: Calibration() for kind in ("greedy", "sampled", "looked_up")}  # see chain_kind
+        self.calibration = {False: Calibration(), True: Calibration()}  # by whether drafts are sampled
         self.batch_size = 1
         # By batch size: tokens emitted and seconds taken by recent rounds (sums that fade).
         self.served: dict[int, tuple[float, float]] = {}
@@ -534,7 +526,7 @@ class GoodputPolicy:
         self.batch_size = observation.batch_size
         self._measure_throughput(observation)
         for chain, accepted in zip(observation.chains, observation.accepted):
-            self.calibration[chain_kind(chain)].learn(chain.confidence, accepted, chain.acceptance)
+            self.calibration[chain.sampled].learn(chain.confidence, accepted, chain.acceptance)
         if self._steps == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:
@@ -580,11 +572,7 @@ class GoodputPolicy:
         # longest: another step widens it by a token for every sequence in the batch, however
         # few go on. So the chains go on or stop together; one that stopped alone would save
         # only its row of the draft step (about a fifteenth of the step at batch 4).
-        verify_seconds = batch * self.costs.verify_fit.slope()
-        # A looked-up token takes no draft step, only its place in the verify forward (the hybrid
-        # drafter asks about each looked-up chain on its own).
-        looked_up = all(chain.looked_up for chain in chains)
-        step_price = rate * (verify_seconds if looked_up else step_seconds + verify_seconds)
+        step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
         # The next draft of a chain is kept if every draft so far is (the drafter's calibrated
         # confidence in each) and then as often as drafts of sequences with its recent acceptance
         # are: its own recent acceptance follows a change of traffic at once, where rates pooled
@@ -592,7 +580,7 @@ class GoodputPolicy:
         # drafts are worth less still, so if the next step does not pay, no later one does.
         gain = 0.0
         for chain in chains:
-            calibration = self.calibration[chain_kind(chain)]
+            calibration = self.calibration[chain.sampled]
             survive = calibration.next_draft(chain.acceptance)
             for c in chain.confidence:
                 survive *= calibration.probability(c, chain.acceptance)

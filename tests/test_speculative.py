@@ -463,20 +463,18 @@ def test_a_lookup_that_runs_into_the_end_of_the_context_repeats_with_its_period(
     assert drafter.propose([seq], [5])[0].tokens == [1, 2, 1, 2, 1]
 
 
-def test_a_looked_up_chain_is_offered_to_the_cutoff_token_by_token(pair):
+def test_a_looked_up_chain_is_proposed_whole_even_when_a_cutoff_ends_drafted_ones(pair):
     _, draft = pair
     drafter = HybridDrafter(draft, 1, MAX_SEQ_LEN, min_n=1, max_n=3)
     seq = Sequence(
         Request((9, 1, 2, 1, 2), SamplingParams(max_tokens=16)), slot=0, generator=None, tokens=[9, 1, 2, 1, 2]
     )
     drafter.admit([seq])
-    asked: list[list[int]] = []
+    asked = []
 
-    def two_at_most(chains) -> list[bool]:
-        asked.extend(list(c.tokens) for c in chains)
-        return [len(c.tokens) < 2 and c.looked_up for c in chains]
+    def stop_at_once(chains) -> list[bool]:
+        asked.extend(chains)
+        return [False] * len(chains)
 
-    (proposal,) = drafter.propose([seq], [6], two_at_most)
-    assert proposal.looked_up and proposal.tokens == [1, 2] and proposal.confidence == [1.0, 1.0]
-    assert asked == [[1], [1, 2]]
-    assert drafter.propose([seq], [6])[0].tokens == [1, 2, 1, 2, 1, 2]  # no cutoff: the ceiling
+    (proposal,) = drafter.propose([seq], [6], stop_at_once)
+    assert proposal.looked_up and proposal.tokens == [1, 2, 1, 2, 1, 2] and asked == []
