@@ -42,7 +42,7 @@ from pathlib import Path
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller
 from engine.core import Engine
-from engine.drafters import Drafter, make_drafter
+from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
 from engine.policy import PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = bench_settings(args)
     target = load_checkpoint(settings["target"])
     drafter_kind = settings["drafter"]
-    draft = load_checkpoint(settings["draft"]) if drafter_kind in ("draft_model", "hybrid") else None
+    draft = load_checkpoint(settings["draft"]) if drafter_kind in DRAFT_MODEL_KINDS else None
 
     def drafter_factory() -> Drafter | None:
         return make_drafter(

@@ -9,7 +9,7 @@ from control.config import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
-from engine.drafters import Drafter, DraftModelDrafter, make_drafter
+from engine.drafters import DRAFT_MODEL_KINDS, Drafter, DraftModelDrafter, make_drafter
 from engine.loop import EngineLoop, StepObserver
 
 
@@ -26,7 +26,7 @@ def required_steps(snapshot: ConfigSnapshot) -> tuple[int, ...]:
 def build_drafter(snapshot: ConfigSnapshot, progress: Callable[[str], None]) -> Drafter | None:
     engine = snapshot.engine
     draft = None
-    if engine.drafter in ("draft_model", "hybrid"):
+    if engine.drafter in DRAFT_MODEL_KINDS:
         progress(f"loading draft {engine.draft}")
         draft = load_checkpoint(engine.draft, engine.device, None if engine.dtype == "auto" else engine.dtype)
     return make_drafter(

@@ -287,6 +287,10 @@ class HybridDrafter(DraftModelDrafter):
         self.lookups.release(seq)
 
 
+# The drafter kinds that load the draft model (engine.draft).
+DRAFT_MODEL_KINDS = ("draft_model", "hybrid")
+
+
 def make_drafter(
     kind: str,
     draft: Checkpoint | None,
