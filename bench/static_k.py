@@ -14,7 +14,7 @@ import argparse
 from bench.prompts import code_prompts
 from bench.spec import WorkItem, build_controller, run_mode
 from engine.checkpoint import load_checkpoint
-from engine.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter
+from engine.drafters import make_drafter
 from engine.policy import PolicyParams
 from engine.sampling import SamplingParams
 
@@ -42,9 +42,8 @@ def main() -> None:
     print(f"{'batch':>5} {'drafter':<12} {'mode':<9} {'tok/s':>8} {'x none':>7} {'acc/round':>9}")
     for batch in (1, 4):
         factories = {
-            "draft_model": lambda b=batch: DraftModelDrafter(draft, b, max_seq_len, quantize=args.quantize),
-            "ngram": lambda: NgramDrafter(1, 4),
-            "hybrid": lambda b=batch: HybridDrafter(draft, b, max_seq_len, quantize=args.quantize),
+            kind: lambda kind=kind, b=batch: make_drafter(kind, draft, b, max_seq_len, quantize=args.quantize)
+            for kind in ("draft_model", "ngram", "hybrid")
         }
         warm = build_controller("static:3", target, factories["draft_model"], batch, max_seq_len, PolicyParams())
         run_mode(warm, items[:batch], target.tokenizer, batch)

@@ -76,7 +76,6 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.ao.quantization points to torchao; it still works
             quantized = torch.ao.nn.quantized.dynamic.Linear.from_float(plain)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_params = quantized._packed_params._packed_params
 
     def forward(self, x: Tensor) -> Tensor:
