@@ -22,10 +22,27 @@ from engine.kv_cache import KVCache
 
 
 @dataclass
+class AttentionRow:
+    """One sequence of a batch whose rows attend one at a time (`ForwardBatch.rows`)."""
+
+    slot: int
+    first: int  # where its new tokens start among the packed tokens
+    count: int  # how many new tokens it has
+    kv_len: int  # cache positions it reads: everything up to its last new token
+    mask: Tensor | None  # [count, kv_len], True where a key is visible; None when all are
+
+
+# What attending to a row on its own costs beyond its query-key pairs (a call and two cache views),
+# in query-key pairs: about 15 us on the CPU the benchmarks run on, where a pair costs 0.013 us.
+ROW_OVERHEAD_PAIRS = 1200
+
+
+@dataclass
 class ForwardBatch:
     """Where each new token goes: built on the host once per forward by `ForwardBatch.build`."""
 
     tokens: Tensor  # [B, T] new tokens, right-padded
+    # positions and write_pos are [real tokens] instead of [B, T] when the rows attend one at a time.
     positions: Tensor  # [B, T] absolute position of each token (RoPE and the causal mask)
     write_pos: Tensor  # [B, T] cache position each token is written to; padding -> scratch row
     slots: Tensor  # [B] cache slot of each sequence
@@ -37,6 +54,12 @@ class ForwardBatch:
     # layers then run on the real tokens alone and only attention sees the padded layout. On a
     # CPU a row of a matrix product costs about as much as a short token of attention does not.
     real: Tensor | None = None
+    # On a CPU attention costs about its query-key pairs, and a padded batch scores its padding
+    # too: a verify of one 13-token chain beside three of 4 scored twice the pairs it needed. When
+    # attending row by row is estimated cheaper, each row attends on its own (`rows`) and every
+    # per-token tensor is packed to the real tokens (`token_slots`, `write_pos`, `positions`).
+    rows: list[AttentionRow] | None = None
+    token_slots: Tensor | None = None  # [real tokens] cache slot of each token, with `rows`
 
     def pack(self, x: Tensor) -> Tensor:
         """[B, T, ...] padded -> [real tokens, ...]; unchanged when no row is padded."""
@@ -65,7 +88,11 @@ class ForwardBatch:
         slots: Sequence[int],
         new_tokens: Sequence[Sequence[int]],
         sliding_window: int | None = None,
+        by_row: bool | None = None,
     ) -> ForwardBatch:
+        """The batch that appends `new_tokens[i]` to cache slot `slots[i]`. Its rows attend one at
+        a time when `by_row` says so or, left None, where that is estimated cheaper than attending
+        padded (on a CPU only: an accelerator runs the padded batch as one launch)."""
         device = cache.k.device
         num_new = [len(t) for t in new_tokens]
         width = max(num_new)
@@ -77,10 +104,30 @@ class ForwardBatch:
                 raise ValueError(f"slot {slot}: {start} + {n} tokens exceed max_seq_len {cache.max_seq_len}")
         # Built as host lists and turned into one tensor each: a decode step's batch is a few
         # numbers, and every tensor op spent on it costs about a microsecond.
-        offsets = range(width)
-        positions = [[start + j for j in offsets] for start in starts]
-        last = cache.max_seq_len - 1
         kv_len = max(s + n for s, n in zip(starts, num_new))
+        padded = sum(num_new) < len(slots) * width
+        if by_row is None:
+            by_row = padded and device.type == "cpu" and cls._rows_cheaper(starts, num_new, kv_len)
+        real = [row * width + j for row, n in enumerate(num_new) for j in range(n)] if padded or by_row else None
+        tokens = torch.tensor([[*t, *[0] * (width - len(t))] for t in new_tokens], dtype=torch.long, device=device)
+        slot_tensor = torch.tensor(list(slots), dtype=torch.long, device=device)
+        slot_start = slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None
+        if by_row:
+            packed_positions = [s + j for s, n in zip(starts, num_new) for j in range(n)]
+            return cls(
+                tokens=tokens,
+                positions=torch.tensor(packed_positions, dtype=torch.long, device=device),
+                write_pos=torch.tensor(packed_positions, dtype=torch.long, device=device),
+                slots=slot_tensor,
+                slot_start=slot_start,
+                num_new=num_new,
+                kv_len=kv_len,
+                mask=None,
+                real=torch.tensor(real, dtype=torch.long, device=device),
+                rows=cls._rows(slots, starts, num_new, sliding_window, device),
+                token_slots=torch.tensor([s for s, n in zip(slots, num_new) for _ in range(n)], device=device),
+            )
+        positions = [[start + j for j in range(width)] for start in starts]
         mask = None
         ragged = width > 1 or any(s + n != kv_len for s, n in zip(starts, num_new))
         if ragged or (sliding_window is not None and kv_len > sliding_window):
@@ -90,24 +137,49 @@ class ForwardBatch:
             if sliding_window is not None:
                 visible &= key_pos > query_pos - sliding_window
             mask = visible[:, None].to(device)
-        contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
-        padded = sum(num_new) < len(slots) * width
-        real = [row * width + j for row, n in enumerate(num_new) for j in range(n)] if padded else None
+        last = cache.max_seq_len - 1
         return cls(
-            tokens=torch.tensor([[*t, *[0] * (width - len(t))] for t in new_tokens], dtype=torch.long, device=device),
+            tokens=tokens,
             positions=torch.tensor([[min(p, last) for p in row] for row in positions], dtype=torch.long, device=device),
             write_pos=torch.tensor(
                 [[p if j < n else cache.scratch_pos for j, p in enumerate(row)] for row, n in zip(positions, num_new)],
                 dtype=torch.long,
                 device=device,
             ),
-            slots=torch.tensor(list(slots), dtype=torch.long, device=device),
-            slot_start=slots[0] if contiguous else None,
+            slots=slot_tensor,
+            slot_start=slot_start,
             num_new=num_new,
             kv_len=kv_len,
             mask=mask,
             real=torch.tensor(real, dtype=torch.long, device=device) if real is not None else None,
         )
+
+    @staticmethod
+    def _rows_cheaper(starts: Sequence[int], num_new: Sequence[int], kv_len: int) -> bool:
+        padded_pairs = len(num_new) * max(num_new) * kv_len
+        return sum(n * (s + n) + ROW_OVERHEAD_PAIRS for s, n in zip(starts, num_new)) < padded_pairs
+
+    @staticmethod
+    def _rows(
+        slots: Sequence[int],
+        starts: Sequence[int],
+        num_new: Sequence[int],
+        sliding_window: int | None,
+        device: torch.device,
+    ) -> list[AttentionRow]:
+        rows, first = [], 0
+        for slot, start, n in zip(slots, starts, num_new):
+            mask = None
+            if n > 1 or (sliding_window is not None and start + n > sliding_window):
+                query = torch.arange(start, start + n)[:, None]
+                key = torch.arange(start + n)[None, :]
+                visible = key <= query
+                if sliding_window is not None:
+                    visible &= key > query - sliding_window
+                mask = visible.to(device)
+            rows.append(AttentionRow(slot, first, n, start + n, mask))
+            first += n
+        return rows
 
 
 @dataclass
@@ -202,18 +274,22 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch | None, cache: KVCache | None) -> Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x)
-        if batch is not None:
+        if batch is not None and batch.rows is None:
             qkv = batch.unpack(qkv)
-        bsz, seqlen, _ = qkv.shape
-        qkv = qkv.view(bsz, seqlen, heads + 2 * kv_heads, self.head_dim)
-        v = qkv[:, :, heads + kv_heads :]
+        # [B, T, heads, D], or [tokens, heads, D] when the rows attend one at a time.
+        qkv = qkv.view(*qkv.shape[:-1], heads + 2 * kv_heads, self.head_dim)
+        v = qkv[..., heads + kv_heads :, :]
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qkv[:, :, :heads]), self.k_norm(qkv[:, :, heads : heads + kv_heads])), dim=2)
+            q_heads, k_heads = qkv[..., :heads, :], qkv[..., heads : heads + kv_heads, :]
+            qk = torch.cat((self.q_norm(q_heads), self.k_norm(k_heads)), dim=-2)
         else:
-            qk = qkv[:, :, : heads + kv_heads]
+            qk = qkv[..., : heads + kv_heads, :]
         # Queries and keys get the same rotation: one pass over both heads' worth of values.
-        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=2)
+        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=-2)
 
+        if batch is not None and cache is not None and batch.rows is not None:
+            return self.o_proj(self._attend_by_row(q, k, v, batch, cache))
+        bsz, seqlen = qkv.shape[:2]
         if batch is None or cache is None:  # training: plain causal attention over x
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -238,6 +314,21 @@ class Attention(nn.Module):
             )
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.q_size)
         return self.o_proj(batch.pack(out) if batch is not None else out)
+
+    def _attend_by_row(self, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
+        """Attention for packed tokens ([tokens, heads, D]), a row at a time; [tokens, q_size]."""
+        assert batch.rows is not None and batch.token_slots is not None
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        k_cache.index_put_((batch.token_slots, batch.write_pos), k)
+        v_cache.index_put_((batch.token_slots, batch.write_pos), v)
+        outs = []
+        for row in batch.rows:
+            query = q[row.first : row.first + row.count].transpose(0, 1)[None]
+            keys = k_cache[row.slot : row.slot + 1, : row.kv_len].transpose(1, 2)
+            values = v_cache[row.slot : row.slot + 1, : row.kv_len].transpose(1, 2)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=row.mask, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1).reshape(row.count, self.q_size))
+        return torch.cat(outs)
 
 
 class MLP(nn.Module):
@@ -318,8 +409,9 @@ class Transformer(nn.Module):
         """
         x = batch.pack(self.embed_tokens(batch.tokens))
         dtype = x.dtype
-        cos = self.rope_cos[batch.positions].to(dtype).unsqueeze(2)
-        sin = self.rope_sin[batch.positions].to(dtype).unsqueeze(2)
+        # [B, T, 1, D], or [tokens, 1, D] when the positions are packed (`ForwardBatch.rows`).
+        cos = self.rope_cos[batch.positions].to(dtype).unsqueeze(-2)
+        sin = self.rope_sin[batch.positions].to(dtype).unsqueeze(-2)
         hidden: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache)

@@ -7,6 +7,7 @@ import torch
 
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
+from engine.kv_cache import KVCache
 from engine.model import ForwardBatch
 from engine.sampling import SamplingParams
 from tests.conftest import save_tiny, tiny_hf_model
@@ -78,21 +79,24 @@ def test_ragged_batch_equals_each_sequence_alone(pair):
         assert completion.tokens == alone.tokens
 
 
-def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair):
+@pytest.mark.parametrize("by_row", [False, True], ids=["padded", "by_row"])
+def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair, by_row):
     """Rows of different widths (a verify of ragged chains): the layers run on the real tokens
-    alone, and each row's logits, last logits, hidden states and cache are as if it ran alone."""
+    alone, attention runs padded or a row at a time, and each row's logits, last logits, hidden
+    states and cache are as if it ran alone (past the sliding window where the family has one)."""
     _, checkpoint = pair
     model = checkpoint.model
     rows = [[3, 4, 5, 6, 7], [9], [11, 12, 13]]
-    together_cache, alone_cache = model.new_cache(3, 32), model.new_cache(3, 32)
+    together_cache, alone_cache = model.new_cache(3, 48), model.new_cache(3, 48)
     slots = [together_cache.allocate() for _ in rows]
     assert [alone_cache.allocate() for _ in rows] == slots
     with torch.no_grad():
         for cache in (together_cache, alone_cache):
-            for slot, prefix in zip(slots, ([1, 2], [1, 2, 8], [10])):
+            for slot, prefix in zip(slots, ([1, 2] * 14, [1, 2, 8], [10] * 23)):
                 model(ForwardBatch.build(cache, [slot], [prefix], model.config.sliding_window), cache)
-        batch = ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window)
+        batch = ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window, by_row=by_row)
         assert batch.real is not None and len(batch.real) == sum(map(len, rows))
+        assert (batch.rows is not None) == by_row
         together = model(batch, together_cache, capture=(0,))
         for row, (slot, tokens) in enumerate(zip(slots, rows)):
             alone_batch = ForwardBatch.build(alone_cache, [slot], [tokens], model.config.sliding_window)
@@ -109,10 +113,30 @@ def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair):
             for slot, tokens in zip(slots, rows):
                 cache.truncate(slot, cache.lengths[slot] - len(tokens))
         last = model(
-            ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window), together_cache, last_only=True
+            ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window, by_row=by_row),
+            together_cache,
+            last_only=True,
         )
         for row, tokens in enumerate(rows):
             torch.testing.assert_close(last.logits[row, 0], together.logits[row, len(tokens) - 1], atol=1e-4, rtol=0)
+
+
+def test_rows_attend_one_at_a_time_where_padding_would_cost_more():
+    """A long context with one long chain among short ones scores far fewer query-key pairs a row
+    at a time; chains of equal width, or a short context, stay one padded attention."""
+    cache = KVCache(1, 4, 512, 1, 8, torch.float32, "cpu")
+    slots = [cache.allocate() for _ in range(4)]
+    for slot in slots:
+        cache.lengths[slot] = 300
+
+    def layout(widths: list[int]) -> bool:
+        return ForwardBatch.build(cache, slots, [[1] * w for w in widths]).rows is not None
+
+    assert layout([13, 1, 1, 1]) and layout([13, 4, 4, 4])
+    assert not layout([4, 4, 4, 4]) and not layout([5, 4, 4, 4])
+    for slot in slots:
+        cache.lengths[slot] = 2
+    assert not layout([13, 1, 1, 1])
 
 
 def test_hidden_states_of_chosen_layers_match_transformers(pair):
