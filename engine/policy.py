@@ -109,6 +109,11 @@ class Observation:
         return len(self.accepted)
 
     @property
+    def verify_tokens(self) -> int:
+        """Tokens the verify forward checked: each request's drafts and the token before them."""
+        return sum(self.proposed) + self.batch_size
+
+    @property
     def draft_steps(self) -> int:
         """Steps the drafter ran: the longest chain it drafted (a looked-up chain took none)."""
         if not self.chains:
@@ -311,11 +316,13 @@ class LinearFit:
 class CostModel:
     """What a round costs: measured where this (drafts, batch size) has run, fitted elsewhere.
 
-    Verify time is fitted against the tokens the target processes: the verify forward is padded
-    to its longest chain, so that is batch * (longest chain + 1), however short the other chains
-    are. A batch of 16 on a CPU pays for 8 verify tokens each as it pays for one at batch 1 only
-    while the matrix products stay memory-bound: the fit learns where that stops from the rounds
-    it sees. Rounds are keyed by how far they drafted, not by their k, since the cutoff and
+    Verify time is fitted against the tokens verified: each chain's drafts and the token before
+    them (`Observation.verify_tokens`). Only real tokens run through the layers, and on a CPU a
+    ragged batch attends a row at a time where its padding would cost more (engine.model); where
+    the forward is padded whatever the chains (a graph of width k + 1), the fit sees no slope and
+    prices another token at nothing. A batch of 16 on a CPU pays for 8 verify tokens each as it
+    pays for one at batch 1 only while the matrix products stay memory-bound: the fit learns where
+    that stops from the rounds it sees. Rounds are keyed by how far they drafted, not by their k, since the cutoff and
     max_tokens end drafting early.
 
     Draft time is fitted against the draft steps of each batch size once rounds of different
@@ -344,7 +351,7 @@ class CostModel:
         self.samples[key] = self.samples.get(key, 0) + 1
         self.rounds += 1
         self.last_seen[key] = self.rounds
-        self.verify_fit.add(observation.batch_size * (steps + 1), seconds)
+        self.verify_fit.add(observation.verify_tokens, seconds)
         if drafted > 0:
             self.draft_fit.add(observation.batch_size, observation.draft_seconds / drafted)
             self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(drafted, observation.draft_seconds)
@@ -451,11 +458,12 @@ class GoodputPolicy:
 
     With `draft_cutoff`, k is the most a round drafts, and the policy only decides whether to
     draft at all (k = 0 or the largest candidate): after each draft step it weighs, summed over
-    the sequences, the tokens the next drafts are expected to add (the chance that every draft so
+    the chains, the tokens their next drafts are expected to add (the chance that every draft so
     far survives, from the drafter's calibrated confidence, times how often drafts of sequences
     with its recent acceptance are kept) against what they cost at the throughput the rounds
-    measure: a draft step, and a token more of the padded verify forward. Rounds of confident
-    chains run long and doubtful ones stop early, round by round.
+    measure: the chains likeliest to be kept go on, as many as pay for the draft step together
+    and each for its own verify token. Rounds of confident chains run long and doubtful ones stop
+    early, chain by chain and round by round.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -563,29 +571,37 @@ class GoodputPolicy:
         return self.keep_drafting if self.params.draft_cutoff else None
 
     def keep_drafting(self, chains: Seq[DraftChain]) -> list[bool]:
-        batch = self.batch_size
-        rate = self.throughput(batch) or self.goodput(self._steps, batch)
-        step_seconds = self.costs.draft_step_seconds(batch)
+        rate = self.throughput(self.batch_size) or self.goodput(self._steps, self.batch_size)
+        step_seconds = self.costs.draft_step_seconds(self.batch_size)
         if rate is None or step_seconds is None:
             return [True] * len(chains)  # nothing measured yet: draft the full k
-        # The verify forward is padded to its longest chain, and the chains still drafting are the
-        # longest: another step widens it by a token for every sequence in the batch, however
-        # few go on. So the chains go on or stop together; one that stopped alone would save
-        # only its row of the draft step (about a fifteenth of the step at batch 4).
-        step_price = rate * (step_seconds + batch * self.costs.verify_fit.slope())
-        # The next draft of a chain is kept if every draft so far is (the drafter's calibrated
-        # confidence in each) and then as often as drafts of sequences with its recent acceptance
-        # are: its own recent acceptance follows a change of traffic at once, where rates pooled
-        # over all sequences lag behind, and the calibration says how much it predicts. Deeper
-        # drafts are worth less still, so if the next step does not pay, no later one does.
-        gain = 0.0
-        for chain in chains:
-            calibration = self.calibration[chain.sampled]
-            survive = calibration.next_draft(chain.acceptance)
-            for c in chain.confidence:
-                survive *= calibration.probability(c, chain.acceptance)
-            gain += survive
-        return [gain > step_price] * len(chains)
+        # A draft step costs about the same however few of its rows go on (a row is a fifteenth
+        # of the step at batch 4), while each chain that goes on adds its own token to the verify
+        # forward (whose rows attend one at a time where padding would cost more). So the chains
+        # likeliest to be kept go on, as many as pay for the step together and each for its token.
+        step_price = rate * step_seconds
+        token_price = rate * self.costs.verify_fit.slope()
+        gains = [self._next_draft_gain(chain) for chain in chains]
+        ranked = sorted(range(len(chains)), key=lambda i: -gains[i])
+        best, going_on, surplus = 0.0, 0, -step_price
+        for count, i in enumerate(ranked, start=1):
+            surplus += gains[i] - token_price
+            if surplus > best:
+                best, going_on = surplus, count
+        chosen = set(ranked[:going_on])
+        return [i in chosen for i in range(len(chains))]
+
+    def _next_draft_gain(self, chain: DraftChain) -> float:
+        """The chance the chain's next draft is kept: every draft so far must be (the drafter's
+        calibrated confidence in each), and then it is as often as drafts of sequences with the
+        chain's recent acceptance are. Its own recent acceptance follows a change of traffic at
+        once, where rates pooled over all sequences lag behind, and the calibration says how much
+        it predicts. Deeper drafts are worth less still, so if the next does not pay, no later does."""
+        calibration = self.calibration[chain.sampled]
+        survive = calibration.next_draft(chain.acceptance)
+        for c in chain.confidence:
+            survive *= calibration.probability(c, chain.acceptance)
+        return survive
 
     def _speculating_steps(self, k: int) -> int:
         # With the cutoff, each round stops drafting where it stops paying: k is only a ceiling.

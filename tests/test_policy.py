@@ -276,12 +276,13 @@ def observe_round(
     acceptance: tuple[float, ...] = (),
 ) -> None:
     """One round at k = 7 that drafted `confidence` (a chain per sequence), priced as the engine
-    runs it: each draft step costs `draft_seconds` plus `per_row` for each chain drafted in it,
-    and the verify forward is padded to the longest chain, `per_token` for each of its tokens."""
+    runs it on a CPU: each draft step costs `draft_seconds` plus `per_row` for each chain drafted
+    in it, and the verify forward `per_token` for each token it checks (drafts, and the token
+    before each chain)."""
     proposed = tuple(len(c) for c in confidence)
     steps = max(proposed)
     drafting = steps * draft_seconds + sum(proposed) * per_row
-    verify = verify_seconds + per_token * len(proposed) * (steps + 1)
+    verify = verify_seconds + per_token * (sum(proposed) + len(proposed))
     sampled = sampled or (False,) * len(confidence)
     acceptance = acceptance or (0.95,) * len(confidence)
     chains = tuple(DraftRecord(c, s, a) for c, s, a in zip(confidence, sampled, acceptance))
@@ -315,27 +316,35 @@ def test_cutoff_weighs_the_cost_of_a_draft_step():
     assert dear.keep_drafting(survive_half_the_time) == [False, False]
 
 
-def test_cutoff_ends_every_chain_together():
-    """The chains still drafting widen the padded verify forward together: a doubtful one going on
-    costs no more than its draft row, and the round stops only when the chains together no longer
-    pay for a step."""
+def test_cutoff_lets_the_likely_chains_go_on_without_the_hopeless_ones():
+    """Each chain that goes on adds its own token to the verify forward: a chain whose next draft
+    is unlikely to be kept stops while a confident one in the same round drafts on."""
     policy = cutoff_policy(draft_seconds=0.0005)
-    assert policy.keep_drafting([chain(0.95, 0.95, 0.95), chain(0.95, 0.2, 0.2, 0.2)]) == [True, True]
-    assert policy.keep_drafting([chain(0.95, 0.2, 0.2, 0.2), chain(0.95, 0.2, 0.2, 0.2)]) == [False, False]
+    confident, hopeless = chain(0.95, 0.95, 0.95), chain(0.95, 0.95, 0.95, 0.95, recent=0.6)
+    assert policy.keep_drafting([confident, hopeless]) == [True, False]
+    assert policy.keep_drafting([hopeless, confident]) == [False, True]
+    assert policy.keep_drafting([hopeless, hopeless]) == [False, False]
 
 
-def test_cutoff_charges_the_whole_batch_for_widening_the_verify_forward():
-    """The verify forward is padded to its longest chain: a lone chain going on in a batch of 2
-    widens it for both, so a chain that is worth a step at batch 1 is not at batch 2."""
+def test_chains_share_the_price_of_a_draft_step():
+    """A draft step costs about the same for one row as for two: a chain that does not pay for a
+    step on its own goes on when another as likely shares it."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+    likely_enough = chain(0.95, 0.95, recent=0.8)
+    assert policy.keep_drafting([likely_enough]) == [False]
+    assert policy.keep_drafting([likely_enough, likely_enough]) == [True, True]
+
+
+def test_verify_tokens_are_priced_alike_at_any_batch_size():
+    """The verify cost is fitted against the tokens it checks, not a padded width: rounds whose
+    chains differ in length teach the same price of a token at batch 2 as at batch 1."""
     alone, paired = (GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,)), 7) for _ in range(2))
     for i in range(30):
         n = 7 if i % 2 else 4
         observe_round(alone, (n,), ((0.95,) * n,), per_token=0.0008)
         observe_round(paired, (n, n), ((0.95,) * n, (0.95,) * (1 + i % 2)), per_token=0.0008)
-    assert alone.costs.verify_fit.slope() == pytest.approx(paired.costs.verify_fit.slope(), rel=0.01)
-    chain_after_a_doubt = [chain(0.95, 0.95, 0.5)]
-    assert alone.keep_drafting(chain_after_a_doubt) == [True]
-    assert paired.keep_drafting(chain_after_a_doubt) == [False]
+    assert alone.costs.verify_fit.slope() == pytest.approx(0.0008, rel=0.01)
+    assert paired.costs.verify_fit.slope() == pytest.approx(0.0008, rel=0.01)
 
 
 def test_the_next_draft_is_weighed_by_what_recent_acceptance_predicts():
