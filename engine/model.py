@@ -113,11 +113,12 @@ class ForwardBatch:
         slot_tensor = torch.tensor(list(slots), dtype=torch.long, device=device)
         slot_start = slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None
         if by_row:
-            packed_positions = [s + j for s, n in zip(starts, num_new) for j in range(n)]
+            # Nothing is padded, so each token is written where it sits: one tensor serves both.
+            packed = torch.tensor([s + j for s, n in zip(starts, num_new) for j in range(n)], device=device)
             return cls(
                 tokens=tokens,
-                positions=torch.tensor(packed_positions, dtype=torch.long, device=device),
-                write_pos=torch.tensor(packed_positions, dtype=torch.long, device=device),
+                positions=packed,
+                write_pos=packed,
                 slots=slot_tensor,
                 slot_start=slot_start,
                 num_new=num_new,

@@ -276,9 +276,20 @@ def test_bad_requests_are_refused_with_a_reason(pair):
         engine.build_state(3)
 
 
-def test_greedy_stays_lossless_when_drafting_is_cut_short(pair):
-    """The cutoff ends a round's drafting on the drafter's own confidence: fewer drafts, same text."""
+@pytest.mark.parametrize("attention", ["as_estimated", "by_row"])
+def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, attention, monkeypatch):
+    """The cutoff ends a round's drafting on the drafter's own confidence: fewer drafts, same text,
+    whether the ragged verifies attend padded or a row at a time (short contexts stay padded
+    unless told otherwise)."""
     target, draft = pair
+    by_row_batches = []
+
+    def rows_always_cheaper(*_: object) -> bool:
+        by_row_batches.append(1)
+        return True
+
+    if attention == "by_row":
+        monkeypatch.setattr(ForwardBatch, "_rows_cheaper", staticmethod(rows_always_cheaper))
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     expected = reference(target, PROMPTS, params)
     engine = Engine(target, make_drafter("draft_model", draft, 4), 4, MAX_SEQ_LEN, [7])
@@ -305,6 +316,7 @@ def test_greedy_stays_lossless_when_drafting_is_cut_short(pair):
     assert asked
     # Within the first rounds (far from max_tokens), chains of one batch ended at different lengths.
     assert any(len(set(lengths)) > 1 and lengths[-1] < 7 for lengths in chain_lengths[1:4])
+    assert bool(by_row_batches) == (attention == "by_row")
 
 
 def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_vocab_pair):
