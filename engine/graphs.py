@@ -40,7 +40,7 @@ from torch import Tensor
 
 from engine.backend import Backend, Graph
 from engine.kv_cache import KVCache
-from engine.model import ForwardBatch, ForwardOutput, Transformer
+from engine.model import ForwardBatch, ForwardOutput, Transformer, visible_keys
 
 
 class ForwardMode(enum.Enum):
@@ -111,9 +111,7 @@ def static_batch(inputs: Tensor, width: int, max_seq_len: int, sliding_window: i
     offsets = key_pos[None, :width]
     positions = (start + offsets).clamp(max=max_seq_len - 1)
     write_pos = torch.where(offsets < num_new, positions, max_seq_len)
-    visible = key_pos[None, None, :] <= positions[:, :, None]
-    if sliding_window is not None:
-        visible &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
+    visible = visible_keys(positions[:, :, None], key_pos[None, None, :], sliding_window)
     return ForwardBatch(
         tokens=tokens,
         positions=positions,

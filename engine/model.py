@@ -112,47 +112,44 @@ class ForwardBatch:
         tokens = torch.tensor([[*t, *[0] * (width - len(t))] for t in new_tokens], dtype=torch.long, device=device)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long, device=device)
         slot_start = slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None
+        rows = token_slots = mask = None
         if by_row:
             # Nothing is padded, so each token is written where it sits: one tensor serves both.
-            packed = torch.tensor([s + j for s, n in zip(starts, num_new) for j in range(n)], device=device)
-            return cls(
-                tokens=tokens,
-                positions=packed,
-                write_pos=packed,
-                slots=slot_tensor,
-                slot_start=slot_start,
-                num_new=num_new,
-                kv_len=kv_len,
-                mask=None,
-                real=torch.tensor(real, dtype=torch.long, device=device),
-                rows=cls._rows(slots, starts, num_new, sliding_window, device),
-                token_slots=torch.tensor([s for s, n in zip(slots, num_new) for _ in range(n)], device=device),
+            positions = write_pos = torch.tensor(
+                [s + j for s, n in zip(starts, num_new) for j in range(n)], dtype=torch.long, device=device
             )
-        positions = [[start + j for j in range(width)] for start in starts]
-        mask = None
-        ragged = width > 1 or any(s + n != kv_len for s, n in zip(starts, num_new))
-        if ragged or (sliding_window is not None and kv_len > sliding_window):
-            query_pos = torch.tensor(positions, dtype=torch.long)[:, :, None]
-            key_pos = torch.arange(kv_len, dtype=torch.long)[None, None, :]
-            visible = key_pos <= query_pos
-            if sliding_window is not None:
-                visible &= key_pos > query_pos - sliding_window
-            mask = visible[:, None].to(device)
-        last = cache.max_seq_len - 1
-        return cls(
-            tokens=tokens,
-            positions=torch.tensor([[min(p, last) for p in row] for row in positions], dtype=torch.long, device=device),
-            write_pos=torch.tensor(
-                [[p if j < n else cache.scratch_pos for j, p in enumerate(row)] for row, n in zip(positions, num_new)],
+            rows = cls._rows(slots, starts, num_new, sliding_window, device)
+            token_slots = torch.tensor([s for s, n in zip(slots, num_new) for _ in range(n)], device=device)
+        else:
+            padded_positions = [[start + j for j in range(width)] for start in starts]
+            ragged = width > 1 or any(s + n != kv_len for s, n in zip(starts, num_new))
+            if ragged or (sliding_window is not None and kv_len > sliding_window):
+                query_pos = torch.tensor(padded_positions, dtype=torch.long)[:, :, None]
+                mask = visible_keys(query_pos, torch.arange(kv_len)[None, None, :], sliding_window)[:, None].to(device)
+            last = cache.max_seq_len - 1
+            positions = torch.tensor(
+                [[min(p, last) for p in row] for row in padded_positions], dtype=torch.long, device=device
+            )
+            write_pos = torch.tensor(
+                [
+                    [p if j < n else cache.scratch_pos for j, p in enumerate(row)]
+                    for row, n in zip(padded_positions, num_new)
+                ],
                 dtype=torch.long,
                 device=device,
-            ),
+            )
+        return cls(
+            tokens=tokens,
+            positions=positions,
+            write_pos=write_pos,
             slots=slot_tensor,
             slot_start=slot_start,
             num_new=num_new,
             kv_len=kv_len,
             mask=mask,
             real=torch.tensor(real, dtype=torch.long, device=device) if real is not None else None,
+            rows=rows,
+            token_slots=token_slots,
         )
 
     @staticmethod
@@ -173,14 +170,18 @@ class ForwardBatch:
             mask = None
             if n > 1 or (sliding_window is not None and start + n > sliding_window):
                 query = torch.arange(start, start + n)[:, None]
-                key = torch.arange(start + n)[None, :]
-                visible = key <= query
-                if sliding_window is not None:
-                    visible &= key > query - sliding_window
-                mask = visible.to(device)
+                mask = visible_keys(query, torch.arange(start + n)[None, :], sliding_window).to(device)
             rows.append(AttentionRow(slot, first, n, start + n, mask))
             first += n
         return rows
+
+
+def visible_keys(query_pos: Tensor, key_pos: Tensor, sliding_window: int | None) -> Tensor:
+    """Which keys each query sees: those at or before it, within the sliding window if any."""
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    return visible
 
 
 @dataclass
