@@ -152,7 +152,7 @@ def load_checkpoint(
             pieces.append(tensor)
         state[name] = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch_dtype)
 
-    model = model.to_empty(device=torch_device)
+    model = model.to(dtype=torch_dtype).to_empty(device=torch_device)
     model.load_state_dict(state, strict=False)
     model.build_rope()  # the tables were made on the meta device
     if config.tie_word_embeddings:

@@ -110,7 +110,7 @@ class DraftModelDrafter:
         # from cache every round): int8 weights are a quarter of the bytes. The draft's precision
         # only moves the acceptance rate; the target verifies every token.
         self.model = int8_linears(draft.model) if quantize and draft.device.type == "cpu" else draft.model
-        self.cache: KVCache = draft.model.new_cache(max_batch_size, max_seq_len)
+        self.cache: KVCache = self.model.new_cache(max_batch_size, max_seq_len)
         # Decode-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: GraphSet | None = None
 

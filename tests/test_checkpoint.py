@@ -91,6 +91,14 @@ def test_save_then_load_round_trips_in_bf16(tmp_path, tiny_dir):
     torch.testing.assert_close(logits_of(copy, [3, 4]), logits_of(checkpoint, [3, 4]), atol=0.05, rtol=0.05)
 
 
+def test_the_model_runs_in_the_dtype_asked_for(tiny_dir):
+    bf16 = load_checkpoint(tiny_dir, dtype="bfloat16")
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    logits = logits_of(bf16, [3, 4, 5])
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), logits_of(load_checkpoint(tiny_dir), [3, 4, 5]), atol=0.05, rtol=0.05)
+
+
 def test_npu_without_torch_npu_is_a_clear_error():
     pytest.importorskip("torch")
     try:

@@ -438,6 +438,19 @@ def test_the_int8_draft_layer_computes_what_torch_ao_dynamic_quantization_does(b
     assert not torch.allclose(layer(x), linear(x), atol=1e-6)
 
 
+def test_an_int8_draft_of_a_bfloat16_checkpoint_drafts_into_a_cache_of_its_own_dtype(pair):
+    target, draft = pair
+    bf16_target, bf16_draft = (load_checkpoint(c.path, dtype="bfloat16") for c in (target, draft))
+    drafter = DraftModelDrafter(bf16_draft, 2, MAX_SEQ_LEN, quantize=True)
+    assert drafter.cache.k[0].dtype == torch.float32  # the int8 layers compute in float32
+    engine = Engine(bf16_target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_steps=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    outputs = engine.run_until_done(requests)
+    assert [len(outputs[r.id]) for r in requests] == [12, 12]
+    assert engine.state.stats.drafts_accepted > 0
+
+
 def test_the_hybrid_drafter_proposes_a_greedy_sequences_own_continuation_without_the_model(pair):
     target, draft = pair
     drafter = HybridDrafter(draft, 4, MAX_SEQ_LEN, min_n=1, max_n=3)
