@@ -330,7 +330,11 @@ class Engine:
                 kept,
                 verified=True,
                 draft=DraftRecord(
-                    tuple(proposal.confidence), proposal.sampled, proposal.acceptance, proposal.looked_up
+                    tuple(proposal.confidence),
+                    proposal.sampled,
+                    proposal.acceptance,
+                    proposal.looked_up,
+                    proposal.match,
                 ),
             )
             accepted.append(kept)

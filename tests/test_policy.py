@@ -480,10 +480,44 @@ def test_a_looked_up_chain_is_not_counted_as_draft_steps():
     for round_ in range(80):
         steps = 1 + round_ % 5
         model = DraftRecord((0.9,) * steps, acceptance=0.8)
-        looked_up = DraftRecord((), acceptance=0.8, looked_up=True)
+        looked_up = DraftRecord((1.0,) * 12, acceptance=0.8, looked_up=True, match=4)
         # The model's chain costs 0.5 ms a step; the looked-up one, twelve tokens long, nothing.
         policy.observe(
             Observation(12, (0, 12), (steps, 12), 0.0005 * steps, 0.004, (model, looked_up), round_seconds=0.006)
         )
     assert Observation(12, (0, 12), (3, 12), chains=(model, looked_up)).draft_steps == 3
     assert policy.costs.draft_step_seconds(2) == pytest.approx(0.0005, rel=0.05)
+
+
+def looked_up(length: int, match: int) -> Proposal:
+    return Proposal([0] * length, confidence=[1.0] * length, acceptance=0.9, looked_up=True, match=match)
+
+
+def test_a_looked_up_chain_goes_on_as_far_as_its_match_has_held():
+    """Chains found by a 4-gram were kept whole; those found by a 1-gram lost their first token
+    more often than not and never kept a second. Once verification shows it, the first run on and
+    the second stop at one token, and the calibration of drafted chains learns nothing from either."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+    greedy_rates = [list(row) for row in policy.calibration[False].rates]
+    rng = random.Random(0)
+    for _ in range(200):
+        long_kept = 12 if rng.random() < 0.95 else rng.randrange(12)
+        short_kept = 0 if rng.random() < 0.7 else 1
+        chains = (DraftRecord((1.0,) * 12, looked_up=True, match=4), DraftRecord((1.0,) * 12, looked_up=True, match=1))
+        verify = 0.010 + 0.0002 * 26  # as `observe_round` prices a verify of two chains of 12
+        policy.observe(Observation(7, (long_kept, short_kept), (12, 12), 0.0, verify, chains, round_seconds=verify))
+    assert policy.calibration[False].rates == greedy_rates
+    assert policy.lookups.survival(4, 11) > 0.5 and policy.lookups.survival(1, 0) < 0.5
+    long_chain, short_chain = looked_up(6, match=4), looked_up(1, match=1)
+    assert policy.keep_drafting([long_chain, short_chain]) == [True, False]
+
+
+def test_a_looked_up_chain_pays_for_its_verify_place_alone():
+    """A looked-up token takes no draft step: it goes on where its chance of being kept beats the
+    price of its place in the verify, even where a drafted chain as likely would not pay for a step."""
+    policy = cutoff_policy(draft_seconds=0.004)
+    token_price = policy.throughput(2) * policy.costs.verify_fit.slope()
+    likely = policy.lookups.prior**3
+    assert likely > token_price
+    assert policy.keep_drafting([looked_up(2, match=3)]) == [True]
+    assert policy.keep_drafting([chain(0.95, 0.95, recent=0.8)]) == [False]

@@ -276,11 +276,12 @@ def test_bad_requests_are_refused_with_a_reason(pair):
         engine.build_state(3)
 
 
+@pytest.mark.parametrize("kind", ["draft_model", "hybrid"])
 @pytest.mark.parametrize("attention", ["as_estimated", "by_row"])
-def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, attention, monkeypatch):
-    """The cutoff ends a round's drafting on the drafter's own confidence: fewer drafts, same text,
-    whether the ragged verifies attend padded or a row at a time (short contexts stay padded
-    unless told otherwise)."""
+def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, kind, attention, monkeypatch):
+    """The cutoff ends a round's drafting on the drafter's own confidence, and a looked-up chain
+    part of the way: fewer drafts, same text, whether the ragged verifies attend padded or a row
+    at a time (short contexts stay padded unless told otherwise)."""
     target, draft = pair
     by_row_batches = []
 
@@ -292,24 +293,25 @@ def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, attention, monke
         monkeypatch.setattr(ForwardBatch, "_rows_cheaper", staticmethod(rows_always_cheaper))
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     expected = reference(target, PROMPTS, params)
-    engine = Engine(target, make_drafter("draft_model", draft, 4), 4, MAX_SEQ_LEN, [7])
+    engine = Engine(target, make_drafter(kind, draft, 4), 4, MAX_SEQ_LEN, [7])
     asked = []
 
     def keep_drafting(chains):
         # Any rule that reads only the drafts is allowed; this one stops a sequence about a third
         # of the time, so the batch's chains end at different lengths.
         asked.append(len(chains))
-        return [int(chain.confidence[-1] * 1000) % 3 != 0 for chain in chains]
+        return [(int(chain.confidence[-1] * 1000) + len(chain.confidence)) % 3 != 0 for chain in chains]
 
     engine.keep_drafting = keep_drafting
     requests = [Request(tuple(p), params) for p in PROMPTS]
     outputs: dict[str, list[int]] = {r.id: [] for r in requests}
     for r in requests:
         engine.add_request(r)
-    chain_lengths = []
+    chain_lengths, looked_up_cut = [], 0
     while engine.has_work:
         result = engine.step()
         chain_lengths.append(sorted(o.drafts_proposed for o in result.outputs if o.verified))
+        looked_up_cut += sum(o.draft.looked_up and o.drafts_proposed < 7 for o in result.outputs if o.verified)
         for out in result.outputs:
             outputs[out.request_id].extend(out.new_tokens)
     assert [outputs[r.id] for r in requests] == expected
@@ -317,6 +319,7 @@ def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, attention, monke
     # Within the first rounds (far from max_tokens), chains of one batch ended at different lengths.
     assert any(len(set(lengths)) > 1 and lengths[-1] < 7 for lengths in chain_lengths[1:4])
     assert bool(by_row_batches) == (attention == "by_row")
+    assert (looked_up_cut > 0) == (kind == "hybrid")
 
 
 def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_vocab_pair):
@@ -488,18 +491,22 @@ def test_a_lookup_that_runs_into_the_end_of_the_context_repeats_with_its_period(
     assert drafter.propose([seq], [5])[0].tokens == [1, 2, 1, 2, 1]
 
 
-def test_a_looked_up_chain_is_proposed_whole_even_when_a_cutoff_ends_drafted_ones(pair):
+def test_a_looked_up_chain_ends_where_the_cutoff_stops_it(pair):
     _, draft = pair
     drafter = HybridDrafter(draft, 1, MAX_SEQ_LEN, min_n=1, max_n=3)
     seq = Sequence(
         Request((9, 1, 2, 1, 2), SamplingParams(max_tokens=16)), slot=0, generator=None, tokens=[9, 1, 2, 1, 2]
     )
     drafter.admit([seq])
+    fed = drafter.cache.lengths[seq.draft_slot]
+    assert drafter.propose([seq], [6])[0].tokens == [1, 2, 1, 2, 1, 2]  # no cutoff: the whole chain
     asked = []
 
-    def stop_at_once(chains) -> list[bool]:
-        asked.extend(chains)
-        return [False] * len(chains)
+    def three_tokens(chains) -> list[bool]:
+        asked.extend((chain.looked_up, chain.match, len(chain.confidence)) for chain in chains)
+        return [len(chain.confidence) < 3 for chain in chains]
 
-    (proposal,) = drafter.propose([seq], [6], stop_at_once)
-    assert proposal.looked_up and proposal.tokens == [1, 2, 1, 2, 1, 2] and asked == []
+    (proposal,) = drafter.propose([seq], [6], three_tokens)
+    assert proposal.looked_up and proposal.tokens == [1, 2, 1] and proposal.probs is None
+    assert asked == [(True, 2, 1), (True, 2, 2), (True, 2, 3)]  # found by the 2-gram [1, 2]
+    assert drafter.cache.lengths[seq.draft_slot] == fed  # the model never ran
