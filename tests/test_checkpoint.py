@@ -115,14 +115,18 @@ def test_unknown_device_is_rejected():
         resolve_device("tpu")
 
 
-def test_cpu_float32_checkpoints_run_from_packed_weights_with_the_same_logits(tiny_dir):
-    checkpoint = load_checkpoint(tiny_dir)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_checkpoints_run_from_packed_weights_with_the_same_logits(tiny_dir, dtype):
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bfloat16 instructions for oneDNN")
+    checkpoint = load_checkpoint(tiny_dir, dtype=dtype)
     linears = [m for m in checkpoint.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     packed = logits_of(checkpoint, [3, 4, 5, 6])
-    checkpoint.model.to(torch.float32)  # any conversion drops the packed copies ...
+    checkpoint.model.to(getattr(torch, dtype))  # any conversion drops the packed copies ...
     assert all(m.packed is None for m in linears)
-    torch.testing.assert_close(logits_of(checkpoint, [3, 4, 5, 6]), packed, atol=1e-5, rtol=1e-5)
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(logits_of(checkpoint, [3, 4, 5, 6]), packed, atol=tolerance, rtol=tolerance)
 
 
 def test_loading_new_weights_drops_the_stale_packed_copy(tiny_dir, tmp_path):
