@@ -326,8 +326,8 @@ class CostModel:
     the forward is padded whatever the chains (a graph of width k + 1), the fit sees no slope and
     prices another token at nothing. A batch of 16 on a CPU pays for 8 verify tokens each as it
     pays for one at batch 1 only while the matrix products stay memory-bound: the fit learns where
-    that stops from the rounds it sees. Rounds are keyed by how far they drafted, not by their k, since the cutoff and
-    max_tokens end drafting early.
+    that stops from the rounds it sees. Rounds are keyed by how far they drafted, not by their k,
+    since the cutoff and max_tokens end drafting early.
 
     Draft time is fitted against the draft steps of each batch size once rounds of different
     lengths have run: the first step, which also feeds the tokens verification kept, costs more
