@@ -46,6 +46,7 @@ from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
 from engine.policy import PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
+from engine.verify import CHAIN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,29 +128,46 @@ class ModeReport:
 
 
 def build_controller(
-    mode: str, target: Checkpoint, drafter_factory, concurrency: int, max_seq_len: int, params: PolicyParams
+    mode: str,
+    target: Checkpoint,
+    drafter_factory,
+    concurrency: int,
+    max_seq_len: int,
+    params: PolicyParams,
+    verification: str = "block",
 ) -> Controller:
-    if mode == "none":
-        engine = Engine(target, None, concurrency, max_seq_len, [0])
-        return Controller(engine, replace(params, candidate_steps=(0,), slots=()), adaptive=False, static_steps=0)
-    if mode.startswith("static:"):
-        k = int(mode.split(":", 1)[1])
-        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, [k], k)
-        return Controller(engine, replace(params, candidate_steps=(k,), slots=()), adaptive=False, static_steps=k)
-    if mode.startswith("adaptive:"):
-        strategy, *overrides = mode.split(":", 1)[1].split("+")
-        policy = replace(params, strategy=strategy, **dict(parse_override(o) for o in overrides))
-        engine = Engine(target, drafter_factory(), concurrency, max_seq_len, policy.all_steps, max(policy.all_steps))
-        return Controller(engine, policy)
+    base, *overrides = mode.split("+")
+    settings = dict(parse_override(o) for o in overrides)
+    # The engine's own setting; every other override names a policy parameter.
+    verification = str(settings.pop("verification", verification))
+
+    def engine(drafter, steps, initial: int) -> Engine:
+        return Engine(target, drafter, concurrency, max_seq_len, steps, initial, verification=verification)
+
+    if base == "none":
+        plain = replace(params, candidate_steps=(0,), slots=())
+        return Controller(engine(None, [0], 0), plain, adaptive=False, static_steps=0)
+    if base.startswith("static:") and not settings:
+        k = int(base.split(":", 1)[1])
+        static = replace(params, candidate_steps=(k,), slots=())
+        return Controller(engine(drafter_factory(), [k], k), static, adaptive=False, static_steps=k)
+    if base.startswith("adaptive:"):
+        policy = replace(params, strategy=base.split(":", 1)[1], **settings)
+        return Controller(engine(drafter_factory(), policy.all_steps, max(policy.all_steps)), policy)
     raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:ema or adaptive:goodput")
 
 
 def parse_override(text: str) -> tuple[str, object]:
-    """`name=value` of a policy parameter, as in adaptive:goodput+draft_cutoff=false; a list of
-    step counts is written with slashes: candidate_steps=0/3/7."""
+    """`name=value` of a policy parameter, as in adaptive:goodput+draft_cutoff=false, or of the
+    engine's `verification` (any mode: static:3+verification=token); a list of step counts is
+    written with slashes: candidate_steps=0/3/7."""
     name, _, value = text.partition("=")
+    if name == "verification" and value in CHAIN_RULES:
+        return name, value
     if name not in PolicyParams.__dataclass_fields__ or not value:
-        raise SystemExit(f"{text!r}: expected PARAMETER=VALUE with a policy parameter name")
+        raise SystemExit(
+            f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, or verification={'|'.join(CHAIN_RULES)}"
+        )
     if name == "candidate_steps":
         try:
             return name, tuple(int(k) for k in value.split("/"))
@@ -435,7 +453,15 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         runs = {
             mode: ModeRun(
-                build_controller(mode, target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"]),
+                build_controller(
+                    mode,
+                    target,
+                    drafter_factory,
+                    args.concurrency,
+                    args.max_seq_len,
+                    settings["policy"],
+                    settings["verification"],
+                ),
                 items,
                 target.tokenizer,
                 args.concurrency,
@@ -462,6 +488,7 @@ def bench_settings(args: argparse.Namespace) -> dict:
         "draft_quantization": "int8",
         "ngram_min": 1,
         "ngram_max": 4,
+        "verification": "block",
         "policy": PolicyParams(),
     }
     if args.config is not None:
@@ -475,6 +502,7 @@ def bench_settings(args: argparse.Namespace) -> dict:
             draft_quantization=config.engine.draft_quantization,
             ngram_min=config.engine.ngram_min,
             ngram_max=config.engine.ngram_max,
+            verification=config.engine.verification,
             policy=config.adaptive.policy,
         )
     for key in ("target", "draft", "drafter"):

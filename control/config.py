@@ -58,6 +58,7 @@ class EngineSettings:
     draft_quantization: str
     ngram_min: int
     ngram_max: int
+    verification: str
     device: str
     dtype: str
     max_batch_size: int
@@ -170,6 +171,8 @@ SCHEMA: Mapping[str, Section] = {
         ),
         "ngram_min": Key("int", 1, "shortest n-gram the ngram and hybrid drafters match", lo=1),
         "ngram_max": Key("int", 4, "longest n-gram the ngram and hybrid drafters match", lo=1),
+        "verification": Key("str", "block", "how sampled drafts are judged: block (the chain as a whole) or token",
+                            choices=("block", "token")),
         "device": Key("str", "cpu", "where the models run", pattern=_DEVICE,
                       pattern_doc="'cpu', 'cuda', 'cuda:N', 'npu' or 'npu:N'"),
         "dtype": Key("str", "auto", "weight and activation dtype; auto = float32 on cpu, bfloat16 on accelerators",

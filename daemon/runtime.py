@@ -71,6 +71,7 @@ def build_engine(
         settings.max_seq_len,
         steps,
         max_steps=settings.max_steps,
+        verification=settings.verification,
     )
     adaptive = snapshot.adaptive
     if drafter is None:

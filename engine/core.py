@@ -28,7 +28,7 @@ from engine.model import ForwardBatch
 from engine.policy import DraftRecord, KeepDrafting
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
-from engine.verify import verify
+from engine.verify import CHAIN_RULES, verify
 
 
 @dataclass
@@ -98,8 +98,12 @@ class Engine:
         backend: Backend | None = None,
         graphs: bool = True,
         graph_batch_sizes: Iterable[int] | None = None,
+        verification: str = "block",
     ) -> None:
+        if verification not in CHAIN_RULES:
+            raise ValueError(f"unknown verification {verification!r}: expected one of {', '.join(CHAIN_RULES)}")
         self.target = target
+        self.verification = verification  # how sampled chains are judged (engine/verify.py)
         self.model = target.model
         self.drafter = drafter
         self.max_batch_size = max_batch_size
@@ -301,7 +305,7 @@ class Engine:
         if out is None:
             batch = ForwardBatch.build(self.cache, slots, tokens, self.model.config.sliding_window)
             out = self.model(batch, self.cache, capture=capture)
-        return verify(out.logits, seqs, proposals), out.hidden
+        return verify(out.logits, seqs, proposals, self.verification), out.hidden
 
     def accept(
         self,

@@ -201,8 +201,9 @@ def assert_follows_marginals(outputs, requests, marginals) -> None:
         assert chi2 < 24.3, (position, chi2, dof, observed.tolist(), expected.tolist())
 
 
+@pytest.mark.parametrize("verification", ["block", "token"])
 @pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram", "hybrid"])
-def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pair, kind):
+def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pair, kind, verification):
     """Chi-square of the 2nd and 3rd sampled tokens (both come out of verification) against the
     target's exact marginals."""
     target, draft = tiny_vocab_pair
@@ -211,7 +212,7 @@ def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pai
     with torch.inference_mode():
         marginals = exact_marginals(target, prompt, base, 3)
     draws = 1500
-    engine = Engine(target, make_drafter(kind, draft, 16), 16, 32, [2])
+    engine = Engine(target, make_drafter(kind, draft, 16), 16, 32, [2], verification=verification)
     requests = [
         Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
         for s in range(draws)
@@ -322,7 +323,8 @@ def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, kind, attention,
     assert (looked_up_cut > 0) == (kind == "hybrid")
 
 
-def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_vocab_pair):
+@pytest.mark.parametrize("verification", ["block", "token"])
+def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_vocab_pair, verification):
     """A cutoff that reads the drafts' own probabilities must not bias the sampled tokens."""
     target, draft = tiny_vocab_pair
     prompt = tuple(range(8)) * 2
@@ -330,7 +332,7 @@ def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_
     with torch.inference_mode():
         marginals = exact_marginals(target, prompt, base, 3)
     draws = 1500
-    engine = Engine(target, make_drafter("draft_model", draft, 16), 16, 32, [3])
+    engine = Engine(target, make_drafter("draft_model", draft, 16), 16, 32, [3], verification=verification)
     engine.keep_drafting = lambda chains: [chain.confidence[-1] > 0.4 for chain in chains]
     requests = [
         Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
