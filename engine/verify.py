@@ -11,7 +11,9 @@ Sampling, two ways; both emit tokens distributed exactly as target-only sampling
   judged as a whole. A draft the token rule would reject can still be kept when the drafts after
   it make up for it, so a round keeps at least as many drafts on average (the paper proves it
   optimal among lossless rules that see one chain), and the longer the chain, the more it gains.
-  It reads the same probabilities and draws as many numbers, so it costs what `token` costs.
+  It draws a number for every draft, and each position it falls back through costs a pass over
+  the vocabulary: judging a chain of three took 79 us a row against 45 us for `token` on the
+  development machine, paid back only where chains run beyond about three drafts.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def accept_sampled(p: Tensor, proposal: Proposal, generator: torch.Generator | N
     """Token verification of one chain; `p` is [len(drafts) + 1, V]."""
     out: list[int] = []
     for j, token in enumerate(proposal.tokens):
-        q_token = 1.0 if proposal.probs is None else float(proposal.probs[j, token])
+        q_token = drafted_chance(proposal, j)
         p_token = float(p[j, token])
         u = float(torch.rand((), generator=generator, device=p.device))
         if u * q_token < p_token:  # u < p/q without dividing by a zero q
@@ -77,16 +79,16 @@ def accept_block(p: Tensor, proposal: Proposal, generator: torch.Generator | Non
     tried from the end of the chain, so a round that keeps its drafts reads only scalars."""
     drafts = proposal.tokens
     n = len(drafts)
+    if n == 0:
+        return [sample(p[0], generator)]
     weights = block_weights(p, proposal)
     draws = torch.rand(n, generator=generator, dtype=torch.float64, device=p.device).tolist()
-    if n and draws[-1] < weights[n]:
+    if draws[-1] < weights[n]:
         return [*drafts, sample(p[n], generator)]
     for kept in range(n - 1, 0, -1):
         spare = residual(p, proposal, kept, weights[kept])
         if draws[kept - 1] < block_keep(spare, weights[kept]):
             return [*drafts[:kept], sample_residual(spare, p[kept], generator)]
-    if n == 0:
-        return [sample(p[0], generator)]
     return [sample_residual(residual(p, proposal, 0), p[0], generator)]
 
 
@@ -97,10 +99,15 @@ def block_weights(p: Tensor, proposal: Proposal) -> list[float]:
     capped at 1, so a draft the target likes more than the drafter does makes up for one before.)"""
     weights = [1.0]
     for j, token in enumerate(proposal.tokens):
-        q_token = 1.0 if proposal.probs is None else float(proposal.probs[j, token])
+        q_token = drafted_chance(proposal, j)
         backed = weights[-1] * float(p[j, token])
         weights.append(1.0 if backed >= q_token else backed / q_token)
     return weights
+
+
+def drafted_chance(proposal: Proposal, j: int) -> float:
+    """The drafter's probability q(x) of its draft at position j (1 where it is deterministic)."""
+    return 1.0 if proposal.probs is None else float(proposal.probs[j, proposal.tokens[j]])
 
 
 def block_keep(spare: Tensor, weight: float) -> float:
