@@ -130,6 +130,7 @@ class Engine:
         # The running sequences' mean recent acceptance: where a new sequence's own starts, since
         # it is likelier to draft as the current traffic does than as an arbitrary prior would.
         self.acceptance = 0.5
+        self.pace = 1.0  # likewise, the running sequences' mean tokens per round
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._cancel_lock = threading.Lock()
@@ -339,12 +340,14 @@ class Engine:
                     proposal.acceptance,
                     proposal.looked_up,
                     proposal.match,
+                    proposal.pace,
                 ),
             )
             accepted.append(kept)
         judged = [seq.acceptance for seq, proposal in zip(seqs, proposals) if proposal.tokens]
         if judged:
             self.acceptance = sum(judged) / len(judged)
+        self.pace = sum(seq.pace for seq in seqs) / len(seqs)
         if self.drafter is not None:
             live = [(s, a) for s, a in zip(seqs, accepted) if s.finish_reason is None]
             self.drafter.accept([s for s, _ in live], [a for _, a in live], hidden)
@@ -377,6 +380,7 @@ class Engine:
                 generator=request.params.generator(self.model.embed_tokens.weight.device),
                 tokens=list(request.prompt),
                 kept_recently=self.acceptance,  # of one judged draft: the traffic's acceptance
+                emitted_recently=self.pace,  # of one round: the traffic's pace
             )
             admitted.append(seq)
         if not admitted:

@@ -46,6 +46,7 @@ class Proposal:
     acceptance: float = 0.5  # the sequence's recent acceptance when it was drafted (Sequence.acceptance)
     looked_up: bool = False  # found in the sequence's own context rather than drafted by a model
     match: int = 0  # for a looked-up chain, the length of the n-gram that found it
+    pace: float | None = None  # the sequence's recent tokens per round when drafted (Sequence.pace)
 
 
 class Drafter(Protocol):
@@ -136,7 +137,9 @@ class DraftModelDrafter:
         return out.logits[:, -1]
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None) -> list[Proposal]:
-        proposals = [Proposal([], sampled=not seq.params.greedy, acceptance=seq.acceptance) for seq in seqs]
+        proposals = [
+            Proposal([], sampled=not seq.params.greedy, acceptance=seq.acceptance, pace=seq.pace) for seq in seqs
+        ]
         probs: list[list[Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         inputs = {i: seqs[i].tokens[self.cache.lengths[seqs[i].draft_slot] :] for i in active}
@@ -244,7 +247,12 @@ class NgramDrafter:
         tokens, match = self.indexes[seq].continuation(seq.tokens, k) if k > 0 else ([], 0)
         # Deterministic: the drafter's distribution is one-hot, so its probability of each token is 1.
         return Proposal(
-            tokens, confidence=[1.0] * len(tokens), acceptance=seq.acceptance, looked_up=bool(tokens), match=match
+            tokens,
+            confidence=[1.0] * len(tokens),
+            acceptance=seq.acceptance,
+            looked_up=bool(tokens),
+            match=match,
+            pace=seq.pace,
         )
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:

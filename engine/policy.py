@@ -167,6 +167,9 @@ class DraftChain(Protocol):
     @property
     def match(self) -> int: ...  # for a looked-up chain, the length of the n-gram that found it
 
+    @property
+    def pace(self) -> float | None: ...  # the sequence's recent tokens per round (None: unknown)
+
 
 @dataclass(frozen=True)
 class DraftRecord:
@@ -177,6 +180,7 @@ class DraftRecord:
     acceptance: float = 0.5
     looked_up: bool = False
     match: int = 0
+    pace: float | None = None
 
 
 # Asked by a drafter after each draft step, with the chains of every sequence still drafting:
@@ -496,11 +500,13 @@ class GoodputPolicy:
     draft at all (k = 0 or the largest candidate): after each draft step it weighs, summed over
     the chains, the tokens their next drafts are expected to add (the chance that every draft so
     far survives, from the drafter's calibrated confidence, times how often drafts of sequences
-    with its recent acceptance are kept) against what they cost at the throughput the rounds
-    measure: the chains likeliest to be kept go on, as many as pay for the draft step together
-    and each for its own verify token. Rounds of confident chains run long and doubtful ones stop
-    early, chain by chain and round by round. A looked-up chain takes no draft step: each of its
-    tokens goes on while the chance it is kept (`LookupCalibration`) pays for its verify place.
+    with its recent acceptance are kept) against what they cost. A token is worth the time it
+    saves its sequence's batch slot: more for a sequence that emits few tokens a round than for
+    one that emits many (`token_worth`). The chains whose next drafts save the most go on, as
+    many as pay for the draft step together and each for its own verify token. Rounds of
+    confident chains run long and doubtful ones stop early, chain by chain and round by round. A
+    looked-up chain takes no draft step: each of its tokens goes on while the chance it is kept
+    (`LookupCalibration`) pays for its verify place.
     """
 
     def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
@@ -517,8 +523,8 @@ class GoodputPolicy:
         self.calibration = {False: Calibration(), True: Calibration()}  # by whether drafts are sampled
         self.lookups = LookupCalibration()
         self.batch_size = 1
-        # By batch size: tokens emitted and seconds taken by recent rounds (sums that fade).
-        self.served: dict[int, tuple[float, float]] = {}
+        # By batch size: tokens emitted, seconds taken and rounds run recently (sums that fade).
+        self.served: dict[int, tuple[float, float, float]] = {}
         self.batches = 0
         self.rounds_at_zero = 0
         self.last_goodput: dict[int, float] = {}
@@ -599,8 +605,12 @@ class GoodputPolicy:
         if seconds <= 0:
             return
         tokens = sum(observation.accepted) + observation.batch_size
-        old_tokens, old_seconds = self.served.get(observation.batch_size, (0.0, 0.0))
-        self.served[observation.batch_size] = (0.95 * old_tokens + tokens, 0.95 * old_seconds + seconds)
+        old_tokens, old_seconds, old_rounds = self.served.get(observation.batch_size, (0.0, 0.0, 0.0))
+        self.served[observation.batch_size] = (
+            0.95 * old_tokens + tokens,
+            0.95 * old_seconds + seconds,
+            0.95 * old_rounds + 1,
+        )
 
     def throughput(self, batch_size: int) -> float | None:
         """Tokens per second of recent rounds at this batch size: summed tokens over summed seconds,
@@ -608,27 +618,42 @@ class GoodputPolicy:
         served = self.served.get(batch_size)
         return served[0] / served[1] if served else None
 
+    def token_worth(self, chain: DraftChain) -> float | None:
+        """Seconds of serving a token gained by `chain` saves. A sequence holds its batch slot for
+        as many rounds as its output takes, and the slots' time is the whole run's time (one
+        slot's share of it per batch slot), so a token of a sequence that emits n a round saves
+        round_time / (n * batch_size): a slow sequence's tokens are worth more than a fast one's.
+        In a batch that moves evenly that is one over the batch's throughput."""
+        served = self.served.get(self.batch_size)
+        if served is None:  # no round at this batch size yet: what one is expected to serve
+            rate = self.goodput(self._steps, self.batch_size)
+            return None if rate is None else 1 / rate
+        if chain.pace is None:
+            return served[1] / served[0]
+        round_seconds = served[1] / served[2]
+        return round_seconds / (max(chain.pace, 1.0) * self.batch_size)
+
     def draft_cutoff(self) -> KeepDrafting | None:
         return self.keep_drafting if self.params.draft_cutoff else None
 
     def keep_drafting(self, chains: Seq[DraftChain]) -> list[bool]:
-        rate = self.throughput(self.batch_size) or self.goodput(self._steps, self.batch_size)
         step_seconds = self.costs.draft_step_seconds(self.batch_size)
-        if rate is None or step_seconds is None:
+        worth = [self.token_worth(chain) for chain in chains]
+        if step_seconds is None or any(w is None for w in worth):
             return [True] * len(chains)  # nothing measured yet: draft the full k
         # A draft step costs about the same however few of its rows go on (a row is a fifteenth
         # of the step at batch 4), while each chain that goes on adds its own token to the verify
         # forward (whose rows attend one at a time where padding would cost more). So the chains
-        # likeliest to be kept go on, as many as pay for the step together and each for its token.
-        step_price = rate * step_seconds
-        token_price = rate * self.costs.verify_fit.slope()
-        gains = [self._next_draft_gain(chain) for chain in chains]
-        chosen = {i for i, chain in enumerate(chains) if chain.looked_up and gains[i] > token_price}
+        # whose next drafts save the most go on, as many as pay for the step together and each
+        # for its token; all in seconds.
+        token_seconds = self.costs.verify_fit.slope()
+        saved = [self._next_draft_gain(chain) * w for chain, w in zip(chains, worth)]
+        chosen = {i for i, chain in enumerate(chains) if chain.looked_up and saved[i] > token_seconds}
         drafted = [i for i, chain in enumerate(chains) if not chain.looked_up]
-        ranked = sorted(drafted, key=lambda i: -gains[i])
-        best, going_on, surplus = 0.0, 0, -step_price
+        ranked = sorted(drafted, key=lambda i: -saved[i])
+        best, going_on, surplus = 0.0, 0, -step_seconds
         for count, i in enumerate(ranked, start=1):
-            surplus += gains[i] - token_price
+            surplus += saved[i] - token_seconds
             if surplus > best:
                 best, going_on = surplus, count
         chosen.update(ranked[:going_on])

@@ -48,6 +48,12 @@ class Sequence:
     kept_recently: float = 0.5
     judged_recently: float = 1.0
     acceptance_decay = 0.7
+    # Tokens emitted over rounds run, as sums that fade more slowly (a round's count swings from
+    # one to the whole chain): how fast the sequence gets through its output. A new sequence
+    # starts from one round at the prior pace.
+    emitted_recently: float = 1.0
+    rounds_recently: float = 1.0
+    pace_decay = 0.9
 
     @property
     def acceptance(self) -> float:
@@ -56,7 +62,16 @@ class Sequence:
         policy.Calibration)."""
         return self.kept_recently / self.judged_recently
 
+    @property
+    def pace(self) -> float:
+        """Tokens it recently emitted per round (kept drafts and the target's own): a sequence
+        that moves slowly holds its batch slot longer, so each token it gains is worth more
+        (policy.GoodputPolicy prices its drafts by it)."""
+        return self.emitted_recently / self.rounds_recently
+
     def record_acceptance(self, proposed: int, kept: int) -> None:
+        self.emitted_recently = self.pace_decay * self.emitted_recently + kept + 1
+        self.rounds_recently = self.pace_decay * self.rounds_recently + 1
         # Drafts after the first rejected one were never judged. Kept over judged summed across
         # rounds, not a mean of each round's share: a round's share is biased low (drafts kept
         # at rate 0.69 give rounds of three drafts a mean share of 0.53).

@@ -326,6 +326,25 @@ def test_cutoff_lets_the_likely_chains_go_on_without_the_hopeless_ones():
     assert policy.keep_drafting([hopeless, hopeless]) == [False, False]
 
 
+def test_a_slow_sequence_drafts_on_where_a_fast_one_stops():
+    """A sequence holds its batch slot until its output is done, so a token gained by one that
+    emits 1.5 a round frees its slot eight times sooner than one gained by a sequence that emits
+    12. Two chains alike but for their pace: the slow one drafts on, the fast one stops. A chain
+    at the batch's own pace is priced as the batch's throughput prices it."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+
+    def doubtful(pace: float | None) -> Proposal:
+        return Proposal([0, 0], confidence=[0.95, 0.95], acceptance=0.6, pace=pace)
+
+    assert policy.keep_drafting([doubtful(1.5), doubtful(12.0)]) == [True, False]
+    assert policy.keep_drafting([doubtful(12.0), doubtful(1.5)]) == [False, True]
+    assert policy.keep_drafting([doubtful(None)]) == [False]
+    tokens, seconds, rounds = policy.served[2]
+    batch_pace = tokens / rounds / 2
+    assert policy.token_worth(doubtful(batch_pace)) == pytest.approx(policy.token_worth(doubtful(None)))
+    assert policy.keep_drafting([doubtful(batch_pace)]) == [False]
+
+
 def test_chains_share_the_price_of_a_draft_step():
     """A draft step costs about the same for one row as for two: a chain that does not pay for a
     step on its own goes on when another as likely shares it."""

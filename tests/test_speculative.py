@@ -368,6 +368,18 @@ def test_a_sequence_counts_every_judged_draft_alike_not_every_round():
     assert sum(shares[-10:]) / 10 == pytest.approx(0.75, abs=0.02)
 
 
+def test_a_sequence_tracks_the_tokens_it_emits_a_round():
+    """Its pace: kept drafts plus the target's own token, over recent rounds; a round that drafted
+    nothing still emits one."""
+    seq = Sequence(Request((1, 2)), slot=0, generator=None, tokens=[1, 2])
+    for _ in range(60):
+        seq.record_acceptance(proposed=12, kept=11)
+    assert seq.pace == pytest.approx(12, rel=0.01)
+    for _ in range(60):
+        seq.record_acceptance(proposed=0, kept=0)
+    assert seq.pace == pytest.approx(1, rel=0.03)
+
+
 def test_a_new_sequence_starts_from_the_acceptance_of_the_traffic_before_it(pair):
     """Until its own drafts are judged, a new request is taken to draft as the running traffic
     does, not as a fixed prior says (the cutoff reads it from the first round on)."""
