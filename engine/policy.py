@@ -15,6 +15,7 @@ applies its decisions between rounds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
@@ -292,10 +293,14 @@ class LinearFit:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+    # The smallest x of recent observations: it falls to a new smaller x at once and rises
+    # towards larger ones as the fit forgets (at the same decay).
+    low: float = math.inf
 
     def add(self, x: float, y: float) -> None:
         d = self.decay
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
+        self.low = x if x <= self.low else d * self.low + (1 - d) * x
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
     @property
@@ -386,7 +391,11 @@ class CostModel:
         if self.samples.get(key, 0) >= 3 and self.rounds - self.last_seen[key] <= self.fresh_rounds:
             verify = self.verify[key]
         else:
-            verify = self.verify_fit.predict(batch_size * (k + 1))
+            # The line is fitted where the verify forward's cost grows with its tokens; below the
+            # fewest tokens recent rounds verified, its fixed part dominates and the line would
+            # price a round at less than it costs (a batch of 4 without drafts at a third of its
+            # cost, once chains had run long: goodput then chose k = 0 in repetitive text).
+            verify = self.verify_fit.predict(max(batch_size * (k + 1), self.verify_fit.low))
         if verify is None:
             return None
         if k == 0:

@@ -11,6 +11,7 @@ from engine.drafters import Proposal
 from engine.policy import (
     BatchSlot,
     Calibration,
+    CostModel,
     DraftRecord,
     EmaPolicy,
     GoodputPolicy,
@@ -451,6 +452,26 @@ def test_cutoff_prices_a_draft_step_at_its_marginal_cost():
         )
     assert policy.costs.draft_step_seconds(1) == pytest.approx(0.0005, rel=0.01)
     assert policy.costs.round_seconds(7, 1) == pytest.approx(0.0065 + 0.010, rel=0.05)
+
+
+def test_a_round_without_drafts_is_not_priced_below_the_fewest_tokens_recently_verified():
+    """Long looked-up chains fit the verify's cost where it grows with every token: that line,
+    carried down to one token a row, priced a round without drafts at a third of what it costs,
+    and goodput switched to k = 0 in repetitive text. Below the fewest tokens recent rounds
+    verified, a round is priced as those were; a round of fewer tokens lowers that at once."""
+    costs = CostModel()
+    for round_ in range(100):
+        width = 8 + round_ % 9  # chains of 7 to 15 drafts at batch 4: 32 to 64 tokens verified
+        chains = (DraftRecord((1.0,) * width, looked_up=True, match=4),) * 4
+        costs.record(Observation(16, (width,) * 4, (width,) * 4, 0.0, 0.002 + 0.0002 * 4 * (width + 1), chains))
+    assert costs.verify_fit.predict(4) == pytest.approx(0.0028, rel=0.01)  # the line itself
+    # Priced as the narrowest recent rounds were (32 tokens, the floor drifting up a little
+    # between them), not at the line's 2.8 ms.
+    assert 0.002 + 0.0002 * 32 <= costs.round_seconds(0, 4) <= 0.002 + 0.0002 * 40
+    for _ in range(3):
+        costs.record(Observation(0, (0,) * 4, (0,) * 4, 0.0, 0.005, ()))
+    assert costs.round_seconds(0, 4) == pytest.approx(0.005, rel=0.01)  # measured: the round itself
+    assert costs.verify_fit.low == 4
 
 
 def test_goodput_with_the_cutoff_chooses_between_no_drafting_and_the_ceiling():
