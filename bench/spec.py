@@ -93,9 +93,11 @@ class ModeReport:
     phase_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     phase_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, k, tokens)
+    runs: list[float] = field(default_factory=list)  # tokens/s of each run merged in
 
     def merge(self, other: ModeReport) -> None:
         """Add another run of the same mode (its timeline is kept, offset to follow this one)."""
+        self.runs.extend(other.runs or [other.tokens / max(other.seconds, 1e-9)])
         offset = self.seconds
         self.tokens += other.tokens
         self.seconds += other.seconds
@@ -115,6 +117,7 @@ class ModeReport:
             "seconds": self.seconds,
             "mean_accepted_drafts": self.accepted / max(self.verified, 1),
             "switches": self.switches,
+            "runs_tokens_per_s": list(self.runs),
             "k_histogram": {str(k): n for k, n in sorted(self.k_rounds.items())},
             "phases": {
                 phase: {
@@ -351,7 +354,11 @@ def print_table(reports: dict[str, ModeReport]) -> None:
         for mode, r in reports.items():
             if mode.startswith("adaptive:"):
                 rate = r.tokens / r.seconds
-                print(f"  {mode}: {rate / best:.3f}x best static, {rate / oracle:.3f}x per-phase oracle")
+                # Run by run against the same static mode, run side by side with it: their spread
+                # is the noise a single figure carries.
+                runs = [a / b for a, b in zip(r.runs, statics[best_mode].runs)]
+                spread = f" (runs {', '.join(f'{x:.3f}' for x in runs)})" if len(runs) > 1 else ""
+                print(f"  {mode}: {rate / best:.3f}x best static{spread}, {rate / oracle:.3f}x per-phase oracle")
 
 
 def phase_rate(report: ModeReport, phase: str) -> float:

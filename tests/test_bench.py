@@ -44,7 +44,8 @@ def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):
     assert report["static:1"]["phases"]["high"]["tokens"] == report["none"]["phases"]["high"]["tokens"]
     assert plot.stat().st_size > 1000
     printed = capsys.readouterr().out
-    assert "per-phase oracle" in printed and "x best static" in printed
+    assert "per-phase oracle" in printed and "x best static (runs " in printed
+    assert all(len(mode["runs_tokens_per_s"]) == 2 for mode in report.values())  # --repeats 2
 
 
 def test_headroom_replays_each_way_of_choosing_k_on_the_same_kept_drafts():
