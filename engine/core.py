@@ -340,7 +340,6 @@ class Engine:
                     proposal.acceptance,
                     proposal.looked_up,
                     proposal.match,
-                    proposal.pace,
                 ),
             )
             accepted.append(kept)

@@ -181,7 +181,7 @@ class DraftRecord:
     acceptance: float = 0.5
     looked_up: bool = False
     match: int = 0
-    pace: float | None = None
+    pace: float | None = None  # left unset in records: only the cutoff, on live chains, reads it
 
 
 # Asked by a drafter after each draft step, with the chains of every sequence still drafting:
@@ -634,11 +634,9 @@ class GoodputPolicy:
         round_time / (n * batch_size): a slow sequence's tokens are worth more than a fast one's.
         In a batch that moves evenly that is one over the batch's throughput."""
         served = self.served.get(self.batch_size)
-        if served is None:  # no round at this batch size yet: what one is expected to serve
-            rate = self.goodput(self._steps, self.batch_size)
+        if served is None or chain.pace is None:
+            rate = self.throughput(self.batch_size) or self.goodput(self._steps, self.batch_size)
             return None if rate is None else 1 / rate
-        if chain.pace is None:
-            return served[1] / served[0]
         round_seconds = served[1] / served[2]
         return round_seconds / (max(chain.pace, 1.0) * self.batch_size)
 
