@@ -145,7 +145,16 @@ def build_controller(
     verification = str(settings.pop("verification", verification))
 
     def engine(drafter, steps, initial: int) -> Engine:
-        return Engine(target, drafter, concurrency, max_seq_len, steps, initial, verification=verification)
+        return Engine(
+            target,
+            drafter,
+            concurrency,
+            max_seq_len,
+            steps,
+            max_steps=max(steps),
+            initial_steps=initial,
+            verification=verification,
+        )
 
     if base == "none":
         plain = replace(params, candidate_steps=(0,), slots=())

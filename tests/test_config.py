@@ -100,7 +100,7 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     # The daemon's defaults: goodput over finer steps than SGLang's [1, 3, 7] (measured on the
     # default pair, docs/benchmarks.md); every other policy parameter is PolicyParams'.
     assert snapshot.adaptive.policy == PolicyParams(
-        strategy="goodput", candidate_steps=(0, 1, 2, 3, 5, 7, 16), ema_alpha=0.5
+        strategy="goodput", candidate_steps=(0, 1, 2, 3, 5, 7, 32), ema_alpha=0.5
     )
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_steps is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
@@ -160,7 +160,7 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[adaptive]\nema_alpha = 1.5\n", "adaptive.ema_alpha", "> 0 and <= 1"),
         ("[engine]\nmax_batch_size = 0\n", "engine.max_batch_size", ">= 1 and <= 256"),
         ("[engine]\nmax_seq_len = 65536\n", "engine.max_seq_len", "<= 32768"),
-        ("[engine]\nmax_steps = 17\n", "engine.max_steps", "<= 16"),
+        ("[engine]\nmax_steps = 65\n", "engine.max_steps", "<= 64"),
         ("[server]\nport = 65536\n", "server.port", ">= 0 and <= 65535"),
         ("[server]\nmax_queue = -1\n", "server.max_queue", ">= 0 and <= 100000"),
         ("[shutdown]\ndrain_timeout_s = 0\n", "shutdown.drain_timeout_s", "> 0"),
@@ -170,10 +170,10 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[adaptive]\ncandidate_steps = [1, -1]\n", "adaptive.candidate_steps", ">= 0"),
         ('[adaptive]\ncandidate_steps = [1, "3"]\n', "adaptive.candidate_steps", "integers only"),
         ("[adaptive]\ncandidate_steps = 3\n", "adaptive.candidate_steps", "array of integers"),
-        ("[adaptive]\ncandidate_steps = [1, 17]\n", "adaptive.candidate_steps", "17 above engine.max_steps = 16"),
-        ("[adaptive]\nstatic_steps = 17\n", "adaptive.static_steps", "above engine.max_steps"),
-        ("[adaptive]\ninitial_steps = 17\n", "adaptive.initial_steps", "above engine.max_steps"),
-        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_steps", "5, 7, 16 above engine.max_steps = 4 (the default"),
+        ("[adaptive]\ncandidate_steps = [1, 33]\n", "adaptive.candidate_steps", "33 above engine.max_steps = 32"),
+        ("[adaptive]\nstatic_steps = 33\n", "adaptive.static_steps", "above engine.max_steps"),
+        ("[adaptive]\ninitial_steps = 33\n", "adaptive.initial_steps", "above engine.max_steps"),
+        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_steps", "5, 7, 32 above engine.max_steps = 4 (the default"),
         ("[engine]\nngram_min = 5\n", "engine.ngram_min", "<= engine.ngram_max (4)"),
         ("[engine]\nngram_min = 0\n", "engine.ngram_min", ">= 1"),
         ('[admin]\nmode = "0800"\n', "admin.mode", "octal digits"),
@@ -281,7 +281,7 @@ candidate_steps = [1, 6]
     assert issues == {
         "adaptive.slots[0].candidate_steps": "5 above engine.max_steps = 4",
         "adaptive.slots[1].candidate_steps": "6 above engine.max_steps = 4",
-        "adaptive.candidate_steps": "5, 7, 16 above engine.max_steps = 4 (the default; set it explicitly)",
+        "adaptive.candidate_steps": "5, 7, 32 above engine.max_steps = 4 (the default; set it explicitly)",
     }
 
 
@@ -357,7 +357,7 @@ candidate_steps = [0, 1]
 
 def test_slot_candidate_above_max_steps_names_the_slot():
     with pytest.raises(ConfigError) as caught:
-        parse_config("[[adaptive.slots]]\nmin_batch_size = 2\ncandidate_steps = [1, 17]\n")
+        parse_config("[[adaptive.slots]]\nmin_batch_size = 2\ncandidate_steps = [1, 33]\n")
     assert [issue.path for issue in caught.value.issues] == ["adaptive.slots[0].candidate_steps"]
 
 
@@ -381,7 +381,7 @@ def test_effective_marks_admin_overrides():
     snapshot = parse_config("[adaptive]\nstrategy = 'ema'\n")
     table = effective(snapshot, {"adaptive.steps": 3, "adaptive.ema_alpha": 0.5})
     assert table["adaptive.strategy"] == {"value": "ema", "source": "file"}
-    assert table["adaptive.candidate_steps"] == {"value": [0, 1, 2, 3, 5, 7, 16], "source": "default"}
+    assert table["adaptive.candidate_steps"] == {"value": [0, 1, 2, 3, 5, 7, 32], "source": "default"}
     assert table["adaptive.ema_alpha"] == {"value": 0.5, "source": "admin"}
     assert table["adaptive.steps"] == {"value": 3, "source": "admin"}
     assert table["adaptive.initial_steps"] == {"value": None, "source": "default"}
