@@ -453,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
             quantize=settings["draft_quantization"] == "int8",
             ngram_min=settings["ngram_min"],
             ngram_max=settings["ngram_max"],
+            lookup_history=settings["lookup_history"],
         )
 
     print(
@@ -504,6 +505,7 @@ def bench_settings(args: argparse.Namespace) -> dict:
         "draft_quantization": "int8",
         "ngram_min": 1,
         "ngram_max": 4,
+        "lookup_history": 16384,
         "verification": "block",
         "policy": PolicyParams(),
     }
@@ -518,6 +520,7 @@ def bench_settings(args: argparse.Namespace) -> dict:
             draft_quantization=config.engine.draft_quantization,
             ngram_min=config.engine.ngram_min,
             ngram_max=config.engine.ngram_max,
+            lookup_history=config.engine.lookup_history,
             verification=config.engine.verification,
             policy=config.adaptive.policy,
         )

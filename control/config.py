@@ -58,6 +58,7 @@ class EngineSettings:
     draft_quantization: str
     ngram_min: int
     ngram_max: int
+    lookup_history: int
     verification: str
     device: str
     dtype: str
@@ -171,6 +172,8 @@ SCHEMA: Mapping[str, Section] = {
         ),
         "ngram_min": Key("int", 1, "shortest n-gram the ngram and hybrid drafters match", lo=1),
         "ngram_max": Key("int", 4, "longest n-gram the ngram and hybrid drafters match", lo=1),
+        "lookup_history": Key("int", 16384, "tokens of finished requests that lookups search too (0: own context only)",
+                              lo=0, hi=1 << 24),
         "verification": Key("str", "block", "how sampled drafts are judged: block (the chain as a whole) or token",
                             choices=("block", "token")),
         "device": Key("str", "cpu", "where the models run", pattern=_DEVICE,

@@ -37,6 +37,7 @@ def build_drafter(snapshot: ConfigSnapshot, progress: Callable[[str], None]) -> 
         quantize=engine.draft_quantization == "int8",
         ngram_min=engine.ngram_min,
         ngram_max=engine.ngram_max,
+        lookup_history=engine.lookup_history,
     )
 
 

@@ -45,7 +45,7 @@ class Proposal:
     sampled: bool = False  # drawn from `probs` (else the drafter's greedy choice)
     acceptance: float = 0.5  # the sequence's recent acceptance when it was drafted (Sequence.acceptance)
     looked_up: bool = False  # found in the sequence's own context rather than drafted by a model
-    match: int = 0  # for a looked-up chain, the length of the n-gram that found it
+    match: int = 0  # for a looked-up chain, how many tokens before it matched the context
     pace: float | None = None  # the sequence's recent tokens per round when drafted (Sequence.pace)
 
 
@@ -189,9 +189,9 @@ class NgramIndex:
         self.starts: dict[tuple[int, ...], int] = {}
         self.read = 0  # tokens indexed so far
 
-    def continuation(self, tokens: Seq[int], k: int) -> tuple[list[int], int]:
-        """What followed the latest earlier occurrence of the last n tokens (longest n first),
-        at most k tokens, and that n; empty and 0 when no suffix occurred before."""
+    def find(self, tokens: Seq[int]) -> tuple[int, int]:
+        """Where the latest earlier occurrence of the last n tokens ends (longest n first), and
+        that n; (0, 0) when no suffix occurred before."""
         for end in range(self.read, len(tokens)):
             # tokens[end] follows the n-grams that end just before it.
             for n in range(self.min_n, min(self.max_n, end) + 1):
@@ -201,13 +201,94 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = self.starts.get(tuple(tokens[length - n :]))
             if start is not None:
-                out = list(tokens[start + n : start + n + k])
-                # A match `period` tokens back repeats with that period: where what followed it
-                # runs into the end of the context, the continuation goes on copying itself.
-                period = length - start - n
-                while len(out) < k:
-                    out.append(out[len(out) - period])
-                return out, n
+                return start + n, n
+        return 0, 0
+
+    def continuation(self, tokens: Seq[int], k: int) -> tuple[list[int], int]:
+        """What followed the latest earlier occurrence of the last n tokens (longest n first),
+        at most k tokens, and how many tokens before it match the context's last ones (n, or
+        more where the context repeats beyond max_n); empty and 0 when no suffix occurred before."""
+        end, n = self.find(tokens)
+        if n == 0:
+            return [], 0
+        out = list(tokens[end : end + k])
+        # A match `period` tokens back repeats with that period: where what followed it runs
+        # into the end of the context, the continuation goes on copying itself.
+        period = len(tokens) - end
+        while len(out) < k:
+            out.append(out[len(out) - period])
+        return out, n if n < self.max_n else matched(tokens, tokens, end)
+
+
+# How far back a match is followed: past this, a longer match says nothing more about the chain.
+LONGEST_MATCH = 32
+
+
+def matched(context: Seq[int], source: Seq[int], end: int) -> int:
+    """How many tokens of `source` before `end` equal the last ones of `context` (at most
+    LONGEST_MATCH): the longer, the likelier what followed them follows the context too."""
+    n, last = 0, len(context) - 1
+    while n < LONGEST_MATCH and n < end and n <= last and source[end - 1 - n] == context[last - n]:
+        n += 1
+    return n
+
+
+class LookupHistory:
+    """The tokens of sequences that finished, for lookups across requests: a request that repeats
+    an earlier one (the same prompt, boilerplate another request wrote) finds what followed there.
+
+    Held to `capacity` tokens, the oldest sequences forgotten first. Only long n-grams (4 to 32
+    tokens) are indexed: across unrelated requests a short match is chance. Keys are hashes of the
+    n-grams, checked against the tokens on a hit, so the index does not hold the n-grams themselves.
+    """
+
+    spans = (32, 16, 8, 4)
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.texts: dict[int, tuple[int, ...]] = {}  # in the order they were added
+        self.starts: dict[int, tuple[int, int]] = {}  # hash of an n-gram -> (text, start)
+        self.size = 0
+        self.added = 0
+
+    def add(self, tokens: Seq[int]) -> None:
+        text = tuple(tokens[-self.capacity :]) if self.capacity > 0 else ()
+        if len(text) <= self.spans[-1]:
+            return
+        number = self.added
+        self.added += 1
+        self.texts[number] = text
+        self.size += len(text)
+        for n in self.spans:
+            for start in range(len(text) - n):  # each n-gram with a token after it
+                self.starts[hash(text[start : start + n])] = (number, start)
+        while self.size > self.capacity:
+            self._forget(next(iter(self.texts)))
+
+    def _forget(self, number: int) -> None:
+        text = self.texts.pop(number)
+        self.size -= len(text)
+        for n in self.spans:
+            for start in range(len(text) - n):
+                key = hash(text[start : start + n])
+                if self.starts.get(key) == (number, start):
+                    del self.starts[key]
+
+    def continuation(self, tokens: Seq[int], k: int) -> tuple[list[int], int]:
+        """What followed the latest occurrence of the context's longest indexed suffix in an
+        earlier sequence (at most k tokens), and how many tokens matched; empty and 0 if none."""
+        for n in self.spans:
+            if n > len(tokens):
+                continue
+            suffix = tuple(tokens[len(tokens) - n :])
+            hit = self.starts.get(hash(suffix))
+            if hit is None:
+                continue
+            number, start = hit
+            text = self.texts[number]
+            if text[start : start + n] == suffix:
+                end = start + n
+                return list(text[end : end + k]), matched(tokens, text, end)
         return [], 0
 
 
@@ -215,7 +296,8 @@ class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n
     first, from max_n down to min_n) and propose what followed it. No weights and no KV cache:
     each sequence gets an index of its n-grams, so a lookup does not scan the context (a
-    1,500-token context with no match took 96 us to scan, 2.3 us to look up).
+    1,500-token context with no match took 96 us to scan, 2.3 us to look up). With a
+    `LookupHistory`, earlier sequences are looked in too, and the longer match wins.
 
     How long a match found the chain says how far it holds: on the high-acceptance requests of
     the shipped transition workload, chains of 12 found by a 4-gram kept 11.1 tokens on average,
@@ -226,11 +308,12 @@ class NgramDrafter:
     name = "ngram"
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, history: int = 0) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.indexes: dict[Sequence, NgramIndex] = {}
+        self.history = LookupHistory(history) if history > 0 else None
 
     def admit(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
@@ -243,8 +326,13 @@ class NgramDrafter:
         return proposals
 
     def lookup(self, seq: Sequence, k: int) -> Proposal:
-        """The sequence's own continuation, whole (up to k tokens); no tokens when it has none."""
+        """The sequence's own continuation, or an earlier sequence's where that matched longer,
+        whole (up to k tokens); no tokens when neither has one."""
         tokens, match = self.indexes[seq].continuation(seq.tokens, k) if k > 0 else ([], 0)
+        if self.history is not None and k > 0:
+            earlier, earlier_match = self.history.continuation(seq.tokens, k)
+            if earlier_match > match:
+                tokens, match = earlier, earlier_match
         # Deterministic: the drafter's distribution is one-hot, so its probability of each token is 1.
         return Proposal(
             tokens,
@@ -259,7 +347,8 @@ class NgramDrafter:
         pass
 
     def release(self, seq: Sequence) -> None:
-        self.indexes.pop(seq, None)
+        if self.indexes.pop(seq, None) is not None and self.history is not None:
+            self.history.add(seq.tokens)
 
 
 def cut_lookups(proposals: Seq[Proposal], keep_drafting: KeepDrafting) -> None:
@@ -303,9 +392,10 @@ class HybridDrafter(DraftModelDrafter):
         quantize: bool = False,
         min_n: int = 1,
         max_n: int = 4,
+        history: int = 0,
     ) -> None:
         super().__init__(draft, max_batch_size, max_seq_len, quantize)
-        self.lookups = NgramDrafter(min_n, max_n)
+        self.lookups = NgramDrafter(min_n, max_n, history)
 
     def admit(self, seqs: Seq[Sequence]) -> None:
         super().admit(seqs)
@@ -333,16 +423,17 @@ def make_drafter(
     quantize: bool = True,
     ngram_min: int = 1,
     ngram_max: int = 4,
+    lookup_history: int = 0,
 ) -> Drafter | None:
     """The drafter `kind` names ("draft_model", "hybrid", "ngram" or "none"), as [engine] sets it up."""
     if kind == "none":
         return None
     if kind == "ngram":
-        return NgramDrafter(ngram_min, ngram_max)
+        return NgramDrafter(ngram_min, ngram_max, lookup_history)
     if draft is None:
         raise ValueError(f"drafter {kind!r} needs a draft model")
     if kind == "draft_model":
         return DraftModelDrafter(draft, max_batch_size, max_seq_len, quantize)
     if kind == "hybrid":
-        return HybridDrafter(draft, max_batch_size, max_seq_len, quantize, ngram_min, ngram_max)
+        return HybridDrafter(draft, max_batch_size, max_seq_len, quantize, ngram_min, ngram_max, lookup_history)
     raise ValueError(f"unknown drafter {kind!r}: expected draft_model, hybrid, ngram or none")

@@ -166,7 +166,7 @@ class DraftChain(Protocol):
     def looked_up(self) -> bool: ...  # found in the sequence's own context: no model step
 
     @property
-    def match(self) -> int: ...  # for a looked-up chain, the length of the n-gram that found it
+    def match(self) -> int: ...  # for a looked-up chain, how many tokens before it matched
 
     @property
     def pace(self) -> float | None: ...  # the sequence's recent tokens per round (None: unknown)
@@ -477,16 +477,22 @@ class LookupCalibration:
     prior: float = 0.95
     rates: dict[int, list[float]] = field(default_factory=dict)
 
+    @staticmethod
+    def bucket(match: int) -> int:
+        """Matches up to 4 tokens long are told apart by length, longer ones by powers of two
+        (4-7, 8-15, 16-31, 32): each bucket has to learn its own rates."""
+        return match if match <= 4 else 1 << (match.bit_length() - 1)
+
     def survival(self, match: int, depth: int) -> float:
         """The chance that the token at `depth` (0 is the first) and every one before it are kept."""
-        rates = self.rates.get(match, [])
+        rates = self.rates.get(self.bucket(match), [])
         survive = 1.0
         for j in range(depth + 1):
             survive *= rates[min(j, len(rates) - 1)] if rates else self.prior
         return survive
 
     def learn(self, match: int, proposed: int, accepted: int) -> None:
-        rates = self.rates.setdefault(match, [])
+        rates = self.rates.setdefault(self.bucket(match), [])
         # Tokens after the first rejected one were never judged: they teach nothing.
         for j in range(min(proposed, accepted + 1)):
             if j == len(rates):

@@ -176,6 +176,7 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[engine]\nmax_steps = 4\n", "adaptive.candidate_steps", "5, 7, 32 above engine.max_steps = 4 (the default"),
         ("[engine]\nngram_min = 5\n", "engine.ngram_min", "<= engine.ngram_max (4)"),
         ("[engine]\nngram_min = 0\n", "engine.ngram_min", ">= 1"),
+        ("[engine]\nlookup_history = -1\n", "engine.lookup_history", ">= 0"),
         ('[admin]\nmode = "0800"\n', "admin.mode", "octal digits"),
         ('[admin]\nmode = "rw-rw----"\n', "admin.mode", "octal digits"),
         ('[admin]\nmode = "04755"\n', "admin.mode", "octal digits"),

@@ -15,6 +15,7 @@ from engine.policy import (
     DraftRecord,
     EmaPolicy,
     GoodputPolicy,
+    LookupCalibration,
     Observation,
     PolicyParams,
     SlottedPolicy,
@@ -561,3 +562,11 @@ def test_a_looked_up_chain_pays_for_its_verify_place_alone():
     assert likely > token_price
     assert policy.keep_drafting([looked_up(2, match=3)]) == [True]
     assert policy.keep_drafting([chain(0.95, 0.95, recent=0.8)]) == [False]
+
+
+def test_matches_longer_than_four_tokens_learn_in_power_of_two_buckets():
+    lookups = LookupCalibration()
+    for _ in range(50):
+        lookups.learn(20, proposed=4, accepted=0)  # chains found by 20-token matches lost their first token
+    assert lookups.survival(16, 0) == lookups.survival(31, 0) < 0.2
+    assert lookups.survival(15, 0) == lookups.survival(4, 0) == lookups.prior  # other lengths learnt nothing

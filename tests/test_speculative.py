@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter, HybridDrafter, Int8Linear, NgramDrafter
+from engine.drafters import DraftModelDrafter, HybridDrafter, Int8Linear, LookupHistory, NgramDrafter
 from engine.generate import generate
 from engine.model import ForwardBatch
 from engine.request import Request, Sequence
@@ -503,6 +503,55 @@ def test_a_lookup_that_runs_into_the_end_of_the_context_repeats_with_its_period(
     drafter.admit([seq])
     # [1, 2] last occurred two tokens back: what followed it is the context's end, then itself.
     assert drafter.propose([seq], [5])[0].tokens == [1, 2, 1, 2, 1]
+
+
+def test_lookup_history_finds_the_longest_indexed_match_and_forgets_the_oldest_text():
+    history = LookupHistory(capacity=100)
+    first = list(range(100, 160))
+    history.add(first)
+    # 20 tokens of the first text at the end of an unrelated context: the 16-gram is found, and
+    # the match reaches back to where the contexts part.
+    assert history.continuation([1, 2, *first[10:30]], 5) == (first[30:35], 20)
+    assert history.continuation([1, 2, 3], 5) == ([], 0)  # shorter than the shortest n-gram indexed
+    history.add(list(range(200, 260)))  # 120 tokens held: the first text goes
+    assert history.size == 60 and list(history.texts) == [1]
+    assert history.continuation(first[10:30], 5) == ([], 0)
+    assert history.continuation(list(range(200, 220)), 3) == ([220, 221, 222], 20)
+    assert len(history.starts) == sum(60 - n for n in history.spans)  # nothing of the first is left
+
+
+def test_an_earlier_sequence_is_looked_up_where_it_matches_longer_than_the_own_context():
+    drafter = NgramDrafter(1, 4, history=1000)
+    earlier = Sequence(Request((1,)), slot=0, generator=None, tokens=[50, 51, 52, 53, 54, 55, 56, 57, 58, 59])
+    drafter.admit([earlier])
+    drafter.release(earlier)
+    # Its own context has [53, 54, 55] once before (a 3-gram match); the earlier sequence has all
+    # six last tokens, and what followed them.
+    seq = Sequence(Request((1,)), slot=1, generator=None, tokens=[53, 54, 55, 9, 52, 53, 54, 55])
+    drafter.admit([seq])
+    (proposal,) = drafter.propose([seq], [3])
+    assert proposal.tokens == [56, 57, 58] and proposal.match == 4
+    # Where the own context matches at least as long, it wins: it is the sequence's own text.
+    own = Sequence(Request((1,)), slot=2, generator=None, tokens=[52, 53, 54, 55, 7, 52, 53, 54, 55])
+    drafter.admit([own])
+    (proposal,) = drafter.propose([own], [3])
+    assert proposal.tokens == [7, 52, 53] and proposal.match == 4
+
+
+def test_a_repeated_request_drafts_what_the_first_one_wrote_and_stays_lossless(pair):
+    target, draft = pair
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = reference(target, PROMPTS, params)
+    drafter = HybridDrafter(draft, 4, MAX_SEQ_LEN, min_n=1, max_n=3, history=4096)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, STEPS, initial_steps=7)
+    rounds = []
+    for _ in range(2):
+        requests = [Request(tuple(p), params) for p in PROMPTS]
+        started = engine.round
+        outputs = engine.run_until_done(requests)
+        assert [outputs[r.id] for r in requests] == expected
+        rounds.append(engine.round - started)
+    assert rounds[1] < rounds[0]  # the second time, every chain was what the target writes
 
 
 def test_a_looked_up_chain_ends_where_the_cutoff_stops_it(pair):
