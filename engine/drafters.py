@@ -44,7 +44,7 @@ class Proposal:
     confidence: list[float] = field(default_factory=list)
     sampled: bool = False  # drawn from `probs` (else the drafter's greedy choice)
     acceptance: float = 0.5  # the sequence's recent acceptance when it was drafted (Sequence.acceptance)
-    looked_up: bool = False  # found in the sequence's own context rather than drafted by a model
+    looked_up: bool = False  # found in its own context (or a finished one's), not drafted by a model
     match: int = 0  # for a looked-up chain, how many tokens before it matched the context
     pace: float | None = None  # the sequence's recent tokens per round when drafted (Sequence.pace)
 

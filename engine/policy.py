@@ -163,7 +163,7 @@ class DraftChain(Protocol):
     def acceptance(self) -> float: ...  # the sequence's recent acceptance when it drafted
 
     @property
-    def looked_up(self) -> bool: ...  # found in the sequence's own context: no model step
+    def looked_up(self) -> bool: ...  # found in its own context or a finished one's: no model step
 
     @property
     def match(self) -> int: ...  # for a looked-up chain, how many tokens before it matched
