@@ -329,7 +329,7 @@ class NgramDrafter:
         """The sequence's own continuation, or an earlier sequence's where that matched longer,
         whole (up to k tokens); no tokens when neither has one."""
         tokens, match = self.indexes[seq].continuation(seq.tokens, k) if k > 0 else ([], 0)
-        if self.history is not None and k > 0:
+        if self.history is not None and k > 0 and match < LONGEST_MATCH:  # else no earlier text can match longer
             earlier, earlier_match = self.history.continuation(seq.tokens, k)
             if earlier_match > match:
                 tokens, match = earlier, earlier_match
