@@ -283,6 +283,20 @@ def _drop_threshold(lower: int) -> float:
     return lower - 0.5 if lower > 0 else 0.5
 
 
+# How many times its expected cost a measured round is believed to have taken. A round the machine
+# stalled in (another process held the cores) says nothing about the next one, and the fits forget
+# slowly: a few rounds of 100 to 500 ms among rounds of 5 ms priced a draft step at 3 ms and a
+# verify token at 1 ms for hundreds of rounds, and goodput chose k = 0 for most of the workload.
+# A real change of speed still comes through, over a few rounds.
+STALL_FACTOR = 4.0
+
+
+def recent_low(low: float, value: float, decay: float) -> float:
+    """The smallest of recent values, after `value`: it falls to a smaller value at once and rises
+    towards larger ones as older values are forgotten (at `decay` a value)."""
+    return value if value <= low else decay * low + (1 - decay) * value
+
+
 @dataclass
 class LinearFit:
     """y = a + b * x fitted to exponentially weighted observations (recent rounds count most)."""
@@ -293,14 +307,19 @@ class LinearFit:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
-    # The smallest x of recent observations: it falls to a new smaller x at once and rises
-    # towards larger ones as the fit forgets (at the same decay).
-    low: float = math.inf
+    low: float = math.inf  # the smallest x of recent observations (`recent_low`, at the same decay)
+
+    def plausible(self, x: float, y: float) -> float:
+        """y, held to STALL_FACTOR times what the fit expects at x: its prediction, or its mean
+        where that is higher (far below the mean x, the line is an extrapolation)."""
+        if self.n == 0:
+            return y
+        return min(y, STALL_FACTOR * max(self.predict(x) or 0.0, self.sy / self.n))
 
     def add(self, x: float, y: float) -> None:
         d = self.decay
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
-        self.low = x if x <= self.low else d * self.low + (1 - d) * x
+        self.low = recent_low(self.low, x, d)
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
     @property
@@ -353,36 +372,52 @@ class CostModel:
     verify_fit: LinearFit = field(default_factory=LinearFit)
     draft_fit: LinearFit = field(default_factory=LinearFit)  # seconds per draft step, by batch
     draft_by_steps: dict[int, LinearFit] = field(default_factory=dict)  # batch -> seconds by steps
+    # batch -> the fewest seconds per draft step of recent rounds (`recent_low`): no step costs
+    # more at the margin than a round's steps cost on average.
+    cheapest_step: dict[int, float] = field(default_factory=dict)
 
     def record(self, observation: Observation) -> None:
         steps = max(observation.proposed, default=0)
         drafted = observation.draft_steps
-        key = (steps, observation.batch_size)
+        batch_size = observation.batch_size
+        key = (steps, batch_size)
         old = self.verify.get(key)
-        seconds = observation.verify_seconds
+        seconds = self.verify_fit.plausible(observation.verify_tokens, observation.verify_seconds)
+        if old is not None:
+            seconds = min(seconds, STALL_FACTOR * old)
         self.verify[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
         self.samples[key] = self.samples.get(key, 0) + 1
         self.rounds += 1
         self.last_seen[key] = self.rounds
         self.verify_fit.add(observation.verify_tokens, seconds)
         if drafted > 0:
-            self.draft_fit.add(observation.batch_size, observation.draft_seconds / drafted)
-            self.draft_by_steps.setdefault(observation.batch_size, LinearFit()).add(drafted, observation.draft_seconds)
+            by_steps = self.draft_by_steps.setdefault(batch_size, LinearFit())
+            drafting = by_steps.plausible(drafted, observation.draft_seconds)
+            self.draft_fit.add(batch_size, drafting / drafted)
+            by_steps.add(drafted, drafting)
+            cheapest = self.cheapest_step.get(batch_size, math.inf)
+            self.cheapest_step[batch_size] = recent_low(cheapest, drafting / drafted, by_steps.decay)
 
     def draft_seconds(self, steps: int, batch_size: int) -> float | None:
         fit = self.draft_by_steps.get(batch_size)
-        if fit is not None and fit.varied:
+        step = self.draft_step_seconds(batch_size)
+        if fit is not None and fit.varied and step is not None:
             # Far from the lengths seen, the line can cross zero: no step is free.
-            return max(fit.predict(steps) or 0.0, steps * fit.slope())
+            return max(fit.predict(steps) or 0.0, steps * step)
         per_step = self.draft_fit.predict(batch_size)
         return None if per_step is None else steps * per_step
 
     def draft_step_seconds(self, batch_size: int) -> float | None:
-        """What one more draft step costs at this batch size."""
+        """What one more draft step costs at this batch size.
+
+        The slope of the fit, but never more than the cheapest recent rounds cost a step on
+        average. A slope is learnt only from rounds of different lengths, and the cutoff makes a
+        dear step's rounds short: long rounds that stalled at the start left a slope of 9 ms a
+        step, every round after stopped at one step, and nothing corrected it.
+        """
         fit = self.draft_by_steps.get(batch_size)
-        if fit is not None and fit.varied:
-            return fit.slope()
-        return self.draft_fit.predict(batch_size)
+        step = fit.slope() if fit is not None and fit.varied else self.draft_fit.predict(batch_size)
+        return step if step is None else min(step, self.cheapest_step.get(batch_size, math.inf))
 
     def round_seconds(self, k: int, batch_size: int) -> float | None:
         key = (k, batch_size)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 import pytest
 
 from engine.drafters import Proposal
 from engine.policy import (
+    STALL_FACTOR,
     BatchSlot,
     Calibration,
     CostModel,
@@ -570,3 +572,81 @@ def test_matches_longer_than_four_tokens_learn_in_power_of_two_buckets():
         lookups.learn(20, proposed=4, accepted=0)  # chains found by 20-token matches lost their first token
     assert lookups.survival(16, 0) == lookups.survival(31, 0) < 0.2
     assert lookups.survival(15, 0) == lookups.survival(4, 0) == lookups.prior  # other lengths learnt nothing
+
+
+def serve_sampled_rows(policy: GoodputPolicy, rounds: int, stalled: Seq[int] = (), seed: int = 0) -> list[int]:
+    """Rounds of four sampled rows, each draft kept with chance 0.8, drafted step by step as the
+    cutoff allows and priced as the benchmark's CPU runs them (a verify 2.4 ms plus 0.165 ms a
+    token, a draft step 0.8 ms plus 0.5 ms a round); the `stalled` rounds take 30 times as long,
+    as when another process holds the cores. Returns each round's k."""
+    rng = random.Random(seed)
+    steps_taken = []
+    for round_ in range(rounds):
+        k = policy.steps
+        keep = policy.draft_cutoff()
+        chains = [Proposal([], sampled=True, acceptance=0.8, pace=2.6) for _ in range(4)]
+        drafting, steps = (list(range(4)) if k > 0 else []), 0
+        while drafting:
+            steps += 1
+            for i in drafting:
+                chains[i].tokens.append(0)
+                chains[i].confidence.append(0.3)
+            drafting = [i for i in drafting if len(chains[i].tokens) < k]
+            if drafting and keep is not None:
+                drafting = [i for i, go in zip(drafting, keep([chains[i] for i in drafting])) if go]
+        proposed = tuple(len(c.tokens) for c in chains)
+        accepted = []
+        for n in proposed:
+            kept = 0
+            while kept < n and rng.random() < 0.8:
+                kept += 1
+            accepted.append(kept)
+        slow = 30 if round_ in stalled else 1
+        draft_seconds = (0.0005 + 0.0008 * steps) * slow if steps else 0.0
+        verify_seconds = (0.0024 + 0.000165 * (sum(proposed) + 4)) * slow
+        records = tuple(DraftRecord(tuple(c.confidence), True, c.acceptance) for c in chains)
+        round_seconds = draft_seconds + verify_seconds
+        policy.observe(Observation(k, tuple(accepted), proposed, draft_seconds, verify_seconds, records, round_seconds))
+        steps_taken.append(k)
+    return steps_taken
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_goodput_drafts_again_once_the_machine_stops_stalling(seed: int):
+    """Three rounds that stalled at the start (another process held the cores) priced drafting
+    out: goodput chose k = 0, the probes that followed stopped every chain after one step, and
+    nothing showed the prices were wrong for most of the run. Drafting pays here (a third more
+    tokens a second than k = 0), and after the stall goodput keeps to it."""
+    params = PolicyParams(strategy="goodput", candidate_steps=(0, 1, 2, 3, 5, 7, 32))
+    steady = serve_sampled_rows(GoodputPolicy(params), 300, seed=seed)
+    assert steady[100:].count(0) == 0
+    after_a_stall = serve_sampled_rows(GoodputPolicy(params), 300, stalled=(1, 2, 3), seed=seed)
+    assert after_a_stall[100:].count(0) <= 10
+
+
+def test_a_stalled_round_counts_for_at_most_a_few_times_what_was_expected():
+    costs = CostModel()
+    for round_ in range(60):
+        steps = 1 + round_ % 5
+        costs.record(
+            Observation(7, (steps,) * 4, (steps,) * 4, 0.0005 + 0.0008 * steps, 0.0024 + 0.00066 * (steps + 1))
+        )
+    round_before, step_before = costs.round_seconds(5, 4), costs.draft_step_seconds(4)
+    assert round_before is not None and step_before is not None
+    costs.record(Observation(7, (5,) * 4, (5,) * 4, 0.300, 0.200))  # 60 and 30 times the usual
+    # The verify of this very shape moves by a fifth of STALL_FACTOR times itself, not of 200 ms.
+    assert costs.round_seconds(5, 4) < (0.8 + 0.2 * STALL_FACTOR) * round_before
+    assert costs.draft_step_seconds(4) < 1.5 * step_before
+
+
+def test_a_draft_step_is_never_priced_above_what_recent_rounds_paid_a_step():
+    """A slope is learnt only from rounds of different lengths: once every round drafts one step,
+    a slope left by rounds long gone would stand for ever. The cheapest recent rounds bound it."""
+    costs = CostModel()
+    for steps, seconds in [(32, 0.500), (6, 0.005), (32, 0.400), (5, 0.0045)]:  # two long rounds stalled
+        costs.record(Observation(32, (0,) * 4, (steps,) * 4, seconds, 0.005))
+    for _ in range(20):
+        costs.record(Observation(32, (0,) * 4, (1,) * 4, 0.0014, 0.004))
+    fit = costs.draft_by_steps[4]
+    assert fit.slope() > 0.005  # what the line still says: 5 ms a step and more
+    assert costs.draft_step_seconds(4) <= 0.0014
