@@ -560,7 +560,7 @@ def test_a_looked_up_chain_pays_for_its_verify_place_alone():
     price of its place in the verify, even where a drafted chain as likely would not pay for a step."""
     policy = cutoff_policy(draft_seconds=0.004)
     token_price = policy.throughput(2) * policy.costs.verify_fit.slope()
-    likely = policy.lookups.prior**3
+    likely = policy.lookups.prior(3) ** 3
     assert likely > token_price
     assert policy.keep_drafting([looked_up(2, match=3)]) == [True]
     assert policy.keep_drafting([chain(0.95, 0.95, recent=0.8)]) == [False]
@@ -571,7 +571,29 @@ def test_matches_longer_than_four_tokens_learn_in_power_of_two_buckets():
     for _ in range(50):
         lookups.learn(20, proposed=4, accepted=0)  # chains found by 20-token matches lost their first token
     assert lookups.survival(16, 0) == lookups.survival(31, 0) < 0.2
-    assert lookups.survival(15, 0) == lookups.survival(4, 0) == lookups.prior  # other lengths learnt nothing
+    # Other lengths learnt nothing: each starts from the rule of succession for its bucket.
+    assert lookups.survival(15, 0) == lookups.prior(8) == 9 / 10
+    assert lookups.survival(4, 1) == lookups.prior(4) ** 2 == (5 / 6) ** 2
+
+
+def lookup_reach(policy: GoodputPolicy, match: int) -> int:
+    """How long a looked-up chain found by a `match`-token match grows before the cutoff stops it."""
+    length = 1
+    while length < 32 and policy.keep_drafting([looked_up(length, match)]) == [True]:
+        length += 1
+    return length
+
+
+def test_before_any_lookup_is_judged_its_match_length_says_how_far_it_runs():
+    """A flat prior proposed chains found by 1-token matches whole; the rule of succession trusts
+    such a chain's next token at 2/3 and a 32-token match's at 33/34, until verification says more."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+    assert not policy.lookups.rates
+    price = policy.throughput(2) * policy.costs.verify_fit.slope()  # in tokens, as the cutoff weighs them
+    weak, strong = lookup_reach(policy, 1), lookup_reach(policy, 32)
+    assert (2 / 3) ** (weak + 1) <= price < (2 / 3) ** weak
+    assert weak < strong
+    assert strong == 32 or (33 / 34) ** (strong + 1) <= price
 
 
 def serve_sampled_rows(policy: GoodputPolicy, rounds: int, stalled: Seq[int] = (), seed: int = 0) -> list[int]:
