@@ -526,15 +526,14 @@ class LookupCalibration:
         shortest = self.bucket(match)
         return (shortest + 1) / (shortest + 2)
 
-    def survival(self, match: int, depth: int) -> float:
-        """The chance that the token at `depth` (0 is the first) and every one before it are kept."""
+    def rate(self, match: int, depth: int) -> float:
+        """How often the token at `depth` (0 is the first) is kept when every one before it was."""
         rates = self.rates.get(self.bucket(match))
-        if not rates:
-            return self.prior(match) ** (depth + 1)
-        survive = 1.0
-        for j in range(depth + 1):
-            survive *= rates[min(j, len(rates) - 1)]
-        return survive
+        return rates[min(depth, len(rates) - 1)] if rates else self.prior(match)
+
+    def survival(self, match: int, depth: int) -> float:
+        """The chance that the token at `depth` and every one before it are kept."""
+        return math.prod(self.rate(match, j) for j in range(depth + 1))
 
     def learn(self, match: int, proposed: int, accepted: int) -> None:
         rates = self.rates.setdefault(self.bucket(match), [])
@@ -692,44 +691,11 @@ class GoodputPolicy:
         return round_seconds / (max(chain.pace, 1.0) * self.batch_size)
 
     def draft_cutoff(self) -> KeepDrafting | None:
-        return self.keep_drafting if self.params.draft_cutoff else None
+        return RoundCutoff(self) if self.params.draft_cutoff else None
 
     def keep_drafting(self, chains: Seq[DraftChain]) -> list[bool]:
-        step_seconds = self.costs.draft_step_seconds(self.batch_size)
-        worth = [self.token_worth(chain) for chain in chains]
-        if step_seconds is None or any(w is None for w in worth):
-            return [True] * len(chains)  # nothing measured yet: draft the full k
-        # A draft step costs about the same however few of its rows go on (a row is a fifteenth
-        # of the step at batch 4), while each chain that goes on adds its own token to the verify
-        # forward (whose rows attend one at a time where padding would cost more). So the chains
-        # whose next drafts save the most go on, as many as pay for the step together and each
-        # for its token; all in seconds.
-        token_seconds = self.costs.verify_fit.slope()
-        saved = [self._next_draft_gain(chain) * w for chain, w in zip(chains, worth)]
-        chosen = {i for i, chain in enumerate(chains) if chain.looked_up and saved[i] > token_seconds}
-        drafted = [i for i, chain in enumerate(chains) if not chain.looked_up]
-        ranked = sorted(drafted, key=lambda i: -saved[i])
-        best, going_on, surplus = 0.0, 0, -step_seconds
-        for count, i in enumerate(ranked, start=1):
-            surplus += saved[i] - token_seconds
-            if surplus > best:
-                best, going_on = surplus, count
-        chosen.update(ranked[:going_on])
-        return [i in chosen for i in range(len(chains))]
-
-    def _next_draft_gain(self, chain: DraftChain) -> float:
-        """The chance the chain's next draft is kept: every draft so far must be (the drafter's
-        calibrated confidence in each), and then it is as often as drafts of sequences with the
-        chain's recent acceptance are. Its own recent acceptance follows a change of traffic at
-        once, where rates pooled over all sequences lag behind, and the calibration says how much
-        it predicts. Deeper drafts are worth less still, so if the next does not pay, no later does."""
-        if chain.looked_up:
-            return self.lookups.survival(chain.match, len(chain.confidence))
-        calibration = self.calibration[chain.sampled]
-        survive = calibration.next_draft(chain.acceptance)
-        for c in chain.confidence:
-            survive *= calibration.probability(c, chain.acceptance)
-        return survive
+        """Which of `chains` the cutoff lets draft another token, priced as of now."""
+        return RoundCutoff(self)(chains)
 
     def _speculating_steps(self, k: int) -> int:
         # With the cutoff, each round stops drafting where it stops paying: k is only a ceiling.
@@ -774,6 +740,66 @@ class GoodputPolicy:
         self.params = params
         self.candidates = sorted(params.candidate_steps)
         self.set_steps(current)
+
+
+class RoundCutoff:
+    """The goodput cutoff for one round (`KeepDrafting`), asked after each draft step.
+
+    A draft step costs about the same however few of its rows go on (a row is a fifteenth of the
+    step at batch 4), while each chain that goes on adds its own token to the verify forward
+    (whose rows attend one at a time where padding would cost more). So the chains whose next
+    drafts save the most go on, as many as pay for the step together and each for its token; all
+    in seconds. The prices do not change within a round and are read once; a chain's chance that
+    every draft so far is kept grows by a factor a step and is carried from call to call, rather
+    than taken over all its drafts at every step.
+    """
+
+    def __init__(self, policy: GoodputPolicy) -> None:
+        self.policy = policy
+        self.step_seconds = policy.costs.draft_step_seconds(policy.batch_size)
+        self.token_seconds = policy.costs.verify_fit.slope()
+        self.survived: dict[int, tuple[int, float]] = {}  # id(chain) -> (drafts weighed, all kept)
+
+    def __call__(self, chains: Seq[DraftChain]) -> list[bool]:
+        worth = [self.policy.token_worth(chain) for chain in chains]
+        if self.step_seconds is None or any(w is None for w in worth):
+            return [True] * len(chains)  # nothing measured yet: draft the full k
+        saved = [self.next_draft_gain(chain) * w for chain, w in zip(chains, worth)]
+        token_seconds = self.token_seconds
+        chosen = {i for i, chain in enumerate(chains) if chain.looked_up and saved[i] > token_seconds}
+        drafted = [i for i, chain in enumerate(chains) if not chain.looked_up]
+        ranked = sorted(drafted, key=lambda i: -saved[i])
+        best, going_on, surplus = 0.0, 0, -self.step_seconds
+        for count, i in enumerate(ranked, start=1):
+            surplus += saved[i] - token_seconds
+            if surplus > best:
+                best, going_on = surplus, count
+        chosen.update(ranked[:going_on])
+        return [i in chosen for i in range(len(chains))]
+
+    def next_draft_gain(self, chain: DraftChain) -> float:
+        """The chance the chain's next draft is kept: every draft so far must be (the drafter's
+        calibrated confidence in each), and then it is as often as drafts of sequences with the
+        chain's recent acceptance are. Its own recent acceptance follows a change of traffic at
+        once, where rates pooled over all sequences lag behind, and the calibration says how much
+        it predicts. Deeper drafts are worth less still, so if the next does not pay, no later
+        does. A looked-up token is kept as often as tokens at its depth found by as long a match."""
+        drafts = len(chain.confidence)
+        weighed, survive = self.survived.get(id(chain), (0, 1.0))
+        if weighed > drafts:
+            weighed, survive = 0, 1.0
+        for j in range(weighed, drafts):
+            survive *= self._kept(chain, j)
+        self.survived[id(chain)] = (drafts, survive)
+        if chain.looked_up:
+            return survive * self.policy.lookups.rate(chain.match, drafts)
+        return survive * self.policy.calibration[chain.sampled].next_draft(chain.acceptance)
+
+    def _kept(self, chain: DraftChain, j: int) -> float:
+        """How likely the chain's draft j is kept when every one before it was."""
+        if chain.looked_up:
+            return self.policy.lookups.rate(chain.match, j)
+        return self.policy.calibration[chain.sampled].probability(chain.confidence[j], chain.acceptance)
 
 
 _STRATEGIES = {"ema": EmaPolicy, "goodput": GoodputPolicy}

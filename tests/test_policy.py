@@ -672,3 +672,26 @@ def test_a_draft_step_is_never_priced_above_what_recent_rounds_paid_a_step():
     fit = costs.draft_by_steps[4]
     assert fit.slope() > 0.005  # what the line still says: 5 ms a step and more
     assert costs.draft_step_seconds(4) <= 0.0014
+
+
+def test_the_cutoff_carried_through_a_round_answers_as_one_asked_afresh_each_step():
+    """A round's cutoff carries each chain's survival from step to step; it must say what the
+    policy says of the same chains weighed from scratch."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+    rng = random.Random(1)
+    chains = [
+        Proposal([], sampled=i % 2 == 1, acceptance=rng.random(), pace=1 + 3 * rng.random()) for i in range(3)
+    ] + [Proposal([], acceptance=0.8, looked_up=True, match=m, pace=2.0) for m in (1, 3, 16)]
+    round_cutoff = policy.draft_cutoff()
+    assert round_cutoff is not None
+    going = list(range(len(chains)))
+    while going:
+        for i in going:
+            chains[i].tokens.append(0)
+            chains[i].confidence.append(1.0 if chains[i].looked_up else rng.random())
+        asked = [chains[i] for i in going]
+        carried = round_cutoff(asked)
+        assert carried == policy.keep_drafting(asked)
+        going = [i for i, go in zip(going, carried) if go and len(chains[i].tokens) < 40]
+    lengths = sorted(len(c.tokens) for c in chains)
+    assert lengths[0] < lengths[-1]  # chains stopped at different steps: every step was weighed
