@@ -758,7 +758,8 @@ class RoundCutoff:
         self.policy = policy
         self.step_seconds = policy.costs.draft_step_seconds(policy.batch_size)
         self.token_seconds = policy.costs.verify_fit.slope()
-        self.survived: dict[int, tuple[int, float]] = {}  # id(chain) -> (drafts weighed, all kept)
+        # id(chain) -> (the chain, held so that its id is not reused; drafts weighed; all kept)
+        self.survived: dict[int, tuple[DraftChain, int, float]] = {}
 
     def __call__(self, chains: Seq[DraftChain]) -> list[bool]:
         worth = [self.policy.token_worth(chain) for chain in chains]
@@ -785,12 +786,12 @@ class RoundCutoff:
         it predicts. Deeper drafts are worth less still, so if the next does not pay, no later
         does. A looked-up token is kept as often as tokens at its depth found by as long a match."""
         drafts = len(chain.confidence)
-        weighed, survive = self.survived.get(id(chain), (0, 1.0))
-        if weighed > drafts:
+        seen, weighed, survive = self.survived.get(id(chain), (chain, 0, 1.0))
+        if seen is not chain or weighed > drafts:
             weighed, survive = 0, 1.0
         for j in range(weighed, drafts):
             survive *= self._kept(chain, j)
-        self.survived[id(chain)] = (drafts, survive)
+        self.survived[id(chain)] = (chain, drafts, survive)
         if chain.looked_up:
             return survive * self.policy.lookups.rate(chain.match, drafts)
         return survive * self.policy.calibration[chain.sampled].next_draft(chain.acceptance)

@@ -695,3 +695,14 @@ def test_the_cutoff_carried_through_a_round_answers_as_one_asked_afresh_each_ste
         going = [i for i, go in zip(going, carried) if go and len(chains[i].tokens) < 40]
     lengths = sorted(len(c.tokens) for c in chains)
     assert lengths[0] < lengths[-1]  # chains stopped at different steps: every step was weighed
+
+
+def test_a_round_cutoff_weighs_a_new_chain_afresh_whatever_came_before():
+    """Chains asked about one after another, each dropped before the next is made, are each
+    weighed on their own drafts (a chain's memory must not pass to a new one at the same address)."""
+    policy = cutoff_policy(draft_seconds=0.0005)
+    keep = policy.draft_cutoff()
+    assert keep is not None
+    for _ in range(20):
+        assert keep([chain(0.95, 0.95, 0.95)]) == [True]
+        assert keep([chain(0.95, 0.2, 0.2)]) == [False]
