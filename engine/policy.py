@@ -285,8 +285,8 @@ def _drop_threshold(lower: int) -> float:
 
 # How many times its expected cost a measured round is believed to have taken. A round the machine
 # stalled in (another process held the cores) says nothing about the next one, and the fits forget
-# slowly: a few rounds of 100 to 500 ms among rounds of 5 ms priced a draft step at 3 ms and a
-# verify token at 1 ms for hundreds of rounds, and goodput chose k = 0 for most of the workload.
+# slowly: a few rounds of 100 to 500 ms among rounds of 5 ms priced a draft step at 3 to 10 ms and
+# a verify token at 1 ms for hundreds of rounds, and goodput chose k = 0 for most of the workload.
 # A real change of speed still comes through, over a few rounds.
 STALL_FACTOR = 4.0
 
@@ -786,9 +786,7 @@ class RoundCutoff:
         it predicts. Deeper drafts are worth less still, so if the next does not pay, no later
         does. A looked-up token is kept as often as tokens at its depth found by as long a match."""
         drafts = len(chain.confidence)
-        seen, weighed, survive = self.survived.get(id(chain), (chain, 0, 1.0))
-        if seen is not chain or weighed > drafts:
-            weighed, survive = 0, 1.0
+        _, weighed, survive = self.survived.get(id(chain), (chain, 0, 1.0))
         for j in range(weighed, drafts):
             survive *= self._kept(chain, j)
         self.survived[id(chain)] = (chain, drafts, survive)
