@@ -706,3 +706,21 @@ def test_a_round_cutoff_weighs_a_new_chain_afresh_whatever_came_before():
     for _ in range(20):
         assert keep([chain(0.95, 0.95, 0.95)]) == [True]
         assert keep([chain(0.95, 0.2, 0.2)]) == [False]
+
+
+def test_a_lasting_slowdown_still_comes_through_in_the_prices():
+    """The stall guards hold back single rounds, not a machine that stays slower."""
+    costs = CostModel()
+
+    def rounds(count: int, slower: float) -> None:
+        for round_ in range(count):
+            steps = 1 + round_ % 5
+            draft, verify = 0.0005 + 0.0008 * steps, 0.0024 + 0.00066 * (steps + 1)
+            costs.record(Observation(7, (steps,) * 4, (steps,) * 4, slower * draft, slower * verify))
+
+    rounds(100, 1.0)
+    step, round_3 = costs.draft_step_seconds(4), costs.round_seconds(3, 4)
+    assert step is not None and round_3 is not None
+    rounds(80, 3.0)  # three times slower from here on
+    assert costs.draft_step_seconds(4) >= 0.8 * 3 * step
+    assert costs.round_seconds(3, 4) >= 0.8 * 3 * round_3
