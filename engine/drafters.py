@@ -20,6 +20,7 @@ verify (EAGLE- and DFlash-style drafters); the draft-model and n-gram drafters n
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -259,20 +260,23 @@ class LookupHistory:
         self.added += 1
         self.texts[number] = text
         self.size += len(text)
-        for n in self.spans:
-            for start in range(len(text) - n):  # each n-gram with a token after it
-                self.starts[hash(text[start : start + n])] = (number, start)
+        for key, start in self._ngrams(text):
+            self.starts[key] = (number, start)
         while self.size > self.capacity:
             self._forget(next(iter(self.texts)))
 
     def _forget(self, number: int) -> None:
         text = self.texts.pop(number)
         self.size -= len(text)
+        for key, start in self._ngrams(text):
+            if self.starts.get(key) == (number, start):
+                del self.starts[key]
+
+    def _ngrams(self, text: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+        """The hash and start of each indexed n-gram of `text` that has a token after it."""
         for n in self.spans:
             for start in range(len(text) - n):
-                key = hash(text[start : start + n])
-                if self.starts.get(key) == (number, start):
-                    del self.starts[key]
+                yield hash(text[start : start + n]), start
 
     def continuation(self, tokens: Seq[int], k: int) -> tuple[list[int], int]:
         """What followed the latest occurrence of the context's longest indexed suffix in an
