@@ -36,6 +36,12 @@ class AttentionRow:
 # in query-key pairs: about 15 us on the CPU the benchmarks run on, where a pair costs 0.013 us.
 ROW_OVERHEAD_PAIRS = 1200
 
+# Packing a padded batch to its real tokens costs a gather and a scatter around each layer's
+# attention and a scatter of the logits: about 0.15 ms a verify of 4 rows of 4 to 6 tokens on the
+# CPU the benchmarks run on, as much as running 2 or 3 padding tokens through the layers. A batch
+# with less padding than this runs padded, its padding computed and thrown away.
+PACK_MIN_PADDING = 3
+
 
 @dataclass
 class ForwardBatch:
@@ -50,9 +56,10 @@ class ForwardBatch:
     num_new: list[int]  # real (unpadded) new tokens per sequence
     kv_len: int  # how many cache positions attention reads
     mask: Tensor | None  # [B, 1, T, kv_len], True where a key is visible; None when all are
-    # Where the real tokens lie among the B * T padded ones, when some rows are shorter: the
-    # layers then run on the real tokens alone and only attention sees the padded layout. On a
-    # CPU a row of a matrix product costs about as much as a short token of attention does not.
+    # Where the real tokens lie among the B * T padded ones, when rows are shorter by at least
+    # PACK_MIN_PADDING tokens in all: the layers then run on the real tokens alone and only
+    # attention sees the padded layout. On a CPU a row of a matrix product costs about as much as
+    # a short token of attention does not. None: every position runs (padding gives junk logits).
     real: Tensor | None = None
     # On a CPU attention costs about its query-key pairs, and a padded batch scores its padding
     # too: a verify of one 13-token chain beside three of 4 scored twice the pairs it needed. When
@@ -105,10 +112,11 @@ class ForwardBatch:
         # Built as host lists and turned into one tensor each: a decode step's batch is a few
         # numbers, and every tensor op spent on it costs about a microsecond.
         kv_len = max(s + n for s, n in zip(starts, num_new))
-        padded = sum(num_new) < len(slots) * width
+        padding = len(slots) * width - sum(num_new)
         if by_row is None:
-            by_row = padded and device.type == "cpu" and cls._rows_cheaper(starts, num_new, kv_len)
-        real = [row * width + j for row, n in enumerate(num_new) for j in range(n)] if padded or by_row else None
+            by_row = padding > 0 and device.type == "cpu" and cls._rows_cheaper(starts, num_new, kv_len)
+        packed = by_row or padding >= PACK_MIN_PADDING
+        real = [row * width + j for row, n in enumerate(num_new) for j in range(n)] if packed else None
         tokens = torch.tensor([[*t, *[0] * (width - len(t))] for t in new_tokens], dtype=torch.long, device=device)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long, device=device)
         slot_start = slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None
@@ -411,7 +419,7 @@ class Transformer(nn.Module):
 
         Nothing here reads a device value back to the host, so a graph can capture it
         (engine/graphs.py); the host-side lengths are left to the caller. Returns x packed to
-        the real tokens when the batch is padded (`ForwardBatch.real`), else [B, T, D].
+        the real tokens when the batch is packed (`ForwardBatch.real`), else [B, T, D].
         """
         x = batch.pack(self.embed_tokens(batch.tokens))
         dtype = x.dtype

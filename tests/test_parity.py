@@ -8,7 +8,7 @@ import torch
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
 from engine.kv_cache import KVCache
-from engine.model import ForwardBatch
+from engine.model import PACK_MIN_PADDING, ForwardBatch
 from engine.sampling import SamplingParams
 from tests.conftest import save_tiny, tiny_hf_model
 
@@ -79,14 +79,22 @@ def test_ragged_batch_equals_each_sequence_alone(pair):
         assert completion.tokens == alone.tokens
 
 
-@pytest.mark.parametrize("by_row", [False, True], ids=["padded", "by_row"])
-def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair, by_row):
+@pytest.mark.parametrize(
+    ("rows", "by_row"),
+    [
+        ([[3, 4, 5, 6, 7], [9], [11, 12, 13]], False),
+        ([[3, 4, 5, 6, 7], [9], [11, 12, 13]], True),
+        ([[3, 4, 5], [9, 10], [11, 12, 13]], False),
+    ],
+    ids=["packed", "by_row", "lightly_padded"],
+)
+def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair, rows, by_row):
     """Rows of different widths (a verify of ragged chains): the layers run on the real tokens
-    alone, attention runs padded or a row at a time, and each row's logits, last logits, hidden
-    states and cache are as if it ran alone (past the sliding window where the family has one)."""
+    alone (or, padded by fewer than PACK_MIN_PADDING tokens, on the padding too), attention runs
+    padded or a row at a time, and each row's logits, last logits, hidden states and cache are as
+    if it ran alone (past the sliding window where the family has one)."""
     _, checkpoint = pair
     model = checkpoint.model
-    rows = [[3, 4, 5, 6, 7], [9], [11, 12, 13]]
     together_cache, alone_cache = model.new_cache(3, 48), model.new_cache(3, 48)
     slots = [together_cache.allocate() for _ in rows]
     assert [alone_cache.allocate() for _ in rows] == slots
@@ -95,7 +103,8 @@ def test_a_padded_forward_gives_each_sequence_what_it_alone_would(pair, by_row):
             for slot, prefix in zip(slots, ([1, 2] * 14, [1, 2, 8], [10] * 23)):
                 model(ForwardBatch.build(cache, [slot], [prefix], model.config.sliding_window), cache)
         batch = ForwardBatch.build(together_cache, slots, rows, model.config.sliding_window, by_row=by_row)
-        assert batch.real is not None and len(batch.real) == sum(map(len, rows))
+        padding = len(rows) * max(map(len, rows)) - sum(map(len, rows))
+        assert (batch.real is not None) == (by_row or padding >= PACK_MIN_PADDING)
         assert (batch.rows is not None) == by_row
         together = model(batch, together_cache, capture=(0,))
         for row, (slot, tokens) in enumerate(zip(slots, rows)):
