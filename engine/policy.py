@@ -549,12 +549,13 @@ class GoodputPolicy:
     """Cost-aware: choose the k that maximises expected tokens per second.
 
     Acceptance is estimated per chain position: a[j] = P(draft j kept | drafts before it kept),
-    each an EMA over rounds, so a draft that is good for two tokens and then wanders is seen as
-    such. Expected tokens of a round with k drafts: E(k) = 1 + sum_i prod_{j<i} a[j] (positions
-    never measured follow the deepest measured rate). Round cost comes from `CostModel`: measured
-    for the (k, batch size) pairs that have run, fitted for the others, so the best k shrinks as
-    the batch grows. k = 0 is chosen when no k > 0 beats plain decoding; from there the smallest
-    k > 0 is probed every `probe_interval` rounds.
+    each the mean of its first rounds and then an EMA, so a draft that is good for two tokens
+    and then wanders is seen as such. Expected tokens of a round with k drafts:
+    E(k) = 1 + sum_i prod_{j<i} a[j] (positions never measured follow the deepest measured rate).
+    Round cost comes from `CostModel`: measured for the (k, batch size) pairs that have run,
+    fitted for the others, so the best k shrinks as the batch grows. k = 0 is chosen when no
+    k > 0 beats plain decoding; from there the smallest k > 0 is probed every `probe_interval`
+    rounds.
 
     With `draft_cutoff`, k is the most a round drafts, and the policy only decides whether to
     draft at all (k = 0 or the largest candidate): after each draft step it weighs, summed over
@@ -574,6 +575,7 @@ class GoodputPolicy:
         self.candidates = sorted(candidates if candidates is not None else params.candidate_steps)
         self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
         self.position_rates: list[float] = []
+        self.position_rounds: list[int] = []  # rounds that reached each depth
         # Weight of the newest round in the position rates, which price a full chain when choosing
         # between k = 0 and the ceiling. Smaller than the ema strategy's alpha: at batch 1 a
         # round shows one kept-or-not per depth, and at 0.2 the rates swung by +-0.15, at times
@@ -621,9 +623,14 @@ class GoodputPolicy:
             # the batch, so a bigger batch gives a steadier estimate, not a jumpier one.
             rate = sum(1 for a in reached if a > j) / len(reached)
             if j == len(self.position_rates):
-                # A new depth starts from what the depth before it shows, not from nothing.
-                self.position_rates.append(self.position_rates[-1] if self.position_rates else rate)
-            self.position_rates[j] += alpha * (rate - self.position_rates[j])
+                self.position_rates.append(rate)
+                self.position_rounds.append(0)
+            self.position_rounds[j] += 1
+            # Until a depth has seen 1 / alpha rounds its rate is their mean. Started from the
+            # first round and moved 5% a round, an unlucky first round at batch 1 (nothing kept)
+            # had goodput turn drafting off at the end of the warm-up, and probe back and forth
+            # for 55 rounds, 20 of them at k = 0 (every run of the transition workload).
+            self.position_rates[j] += max(alpha, 1 / self.position_rounds[j]) * (rate - self.position_rates[j])
             deepest = j
         # Depths not drafted this round drift towards the deepest one measured, so that an old
         # estimate from a different phase does not hold a longer chain back for ever.

@@ -239,6 +239,19 @@ def test_goodput_does_not_flap_between_near_equal_choices():
     assert len(decisions) <= 2
 
 
+def test_one_unlucky_first_round_does_not_turn_drafting_off_at_the_end_of_the_warm_up():
+    """Until a depth has seen enough rounds its rate is their mean: the first round, with nothing
+    kept, counts as one of ten, not as where the rate starts and leaves 5% a round."""
+    policy = GoodputPolicy(replace(FULL_CHAINS, candidate_steps=(0, 3)), 3)
+    decisions = []
+    for kept in [0] + [3] * 14:
+        draft_s, verify_s = cost(3, per_step=0.004)  # drafting pays at 0.9 a draft, not at 0.5
+        decisions.append(policy.observe(Observation(3, (kept,), (3,), draft_s, verify_s)))
+    assert policy.position_rates[0] == pytest.approx(14 / 15, abs=0.01)
+    assert [d for d in decisions if d is not None and d.steps == 0] == []
+    assert policy.steps == 3
+
+
 def test_goodput_expected_tokens_from_position_rates():
     policy = GoodputPolicy(PolicyParams(strategy="goodput"), 3)
     policy.position_rates = [0.8, 0.5]
