@@ -43,7 +43,7 @@ from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller
 from engine.core import Engine
 from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
-from engine.policy import PolicyParams
+from engine.policy import PolicyParams, VerifyCurve
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
@@ -165,8 +165,22 @@ def build_controller(
         return Controller(engine(drafter_factory(), [k], k), static, adaptive=False, static_steps=k)
     if base.startswith("adaptive:"):
         policy = replace(params, strategy=base.split(":", 1)[1], **settings)
-        return Controller(engine(drafter_factory(), policy.all_steps, max(policy.all_steps)), policy)
+        adaptive = engine(drafter_factory(), policy.all_steps, max(policy.all_steps))
+        adaptive.verify_curve = verify_curve(adaptive)
+        return Controller(adaptive, policy)
     raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:ema or adaptive:goodput")
+
+
+_verify_curves: dict[tuple[int, int], VerifyCurve | None] = {}
+
+
+def verify_curve(engine: Engine) -> VerifyCurve | None:
+    """The engine's verify curve, timed once a process for a model and batch size, as the daemon
+    times it once at start (the modes and repeats of a run share it)."""
+    key = (id(engine.model), engine.max_batch_size)
+    if key not in _verify_curves:
+        _verify_curves[key] = engine.measure_verify_curve()
+    return _verify_curves[key]
 
 
 def parse_override(text: str) -> tuple[str, object]:

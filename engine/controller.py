@@ -189,7 +189,9 @@ class Controller:
         self.apply_pending()
         self.engine.select(self._steps)
         # A pinned, forced or static k drafts exactly k: only the policy's own choice is cut short.
-        self.engine.keep_drafting = self.policy.draft_cutoff() if self.mode_name == "adaptive" else None
+        self.engine.keep_drafting = (
+            self.policy.draft_cutoff(self.engine.verify_curve) if self.mode_name == "adaptive" else None
+        )
         started = time.perf_counter()
         result = self.engine.step()
         round_seconds = time.perf_counter() - started - result.prefill_seconds

@@ -11,6 +11,8 @@ k means selecting another built state between steps, never building one inside a
 from __future__ import annotations
 
 import queue
+import random
+import statistics
 import threading
 import time
 from collections import deque
@@ -25,7 +27,7 @@ from engine.checkpoint import Checkpoint
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
 from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
 from engine.model import ForwardBatch
-from engine.policy import DraftRecord, KeepDrafting
+from engine.policy import DraftRecord, KeepDrafting, VerifyCurve
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
 from engine.verify import CHAIN_RULES, verify
@@ -125,6 +127,7 @@ class Engine:
         # Asked by the drafter between draft steps whether to go on (see engine/drafters.py);
         # None drafts the full k. Swapped only between steps, like the state.
         self.keep_drafting: KeepDrafting | None = None
+        self.verify_curve: VerifyCurve | None = None  # see measure_verify_curve
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
         # The running sequences' mean recent acceptance: where a new sequence's own starts, since
@@ -197,6 +200,36 @@ class Engine:
                 scratch.lengths[slot] = 0
             tokens = [[0] * (k + 1)] * batch_size
             self.model(ForwardBatch.build(scratch, slots, tokens, self.model.config.sliding_window), scratch)
+
+    @torch.inference_mode()
+    def measure_verify_curve(self, widest: int = 9, context: int = 256, repeats: int = 5) -> VerifyCurve | None:
+        """Time the verify forward of a full batch for every number of tokens from one a row to
+        `widest` a row (rows as even as the count allows, each after `context` cached tokens, on
+        a scratch cache), and keep the medians for the draft cutoff (`VerifyCurve`). About a
+        second at a batch of 4 on a CPU, and done before serving: a round never waits for it.
+        Nothing to time with no drafter, at a batch of one, or where captured graphs run the
+        verify padded to a fixed width whatever the chains."""
+        if self.drafter is None or self.max_batch_size < 2 or self.graph_runner is not None:
+            return None
+        batch = self.max_batch_size
+        widest = min(widest, self.max_seq_len)
+        context = max(0, min(context, self.max_seq_len - widest))
+        scratch = self.model.new_cache(batch, context + widest)
+        slots = list(range(batch))
+        shapes = {n: [n // batch + (row < n % batch) for row in slots] for n in range(batch, batch * widest + 1)}
+        order = random.Random(0)  # shuffled, so that a drift of the machine falls on no size alone
+        timings: dict[int, list[float]] = {n: [] for n in shapes}
+        for _ in range(repeats):
+            for n in order.sample(list(shapes), len(shapes)):
+                for slot in slots:
+                    scratch.lengths[slot] = context
+                batch_tokens = [[0] * width for width in shapes[n]]
+                started = time.perf_counter()
+                self.model(ForwardBatch.build(scratch, slots, batch_tokens, self.model.config.sliding_window), scratch)
+                self.backend.synchronize()
+                timings[n].append(time.perf_counter() - started)
+        self.verify_curve = VerifyCurve(batch, {n: statistics.median(t) for n, t in timings.items()})
+        return self.verify_curve
 
     def select(self, k: int) -> RuntimeState:
         """Make the state for `k` active from the next round on (a reference swap: its graphs are

@@ -16,7 +16,7 @@ applies its decisions between rounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -144,8 +144,9 @@ class Policy(Protocol):
 
     def update_params(self, params: PolicyParams) -> None: ...
 
-    def draft_cutoff(self) -> KeepDrafting | None:
-        """What the drafter asks between draft steps this round, or None to draft the full k."""
+    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
+        """What the drafter asks between draft steps this round, or None to draft the full k;
+        `verify_curve` is the engine's, where it timed one."""
         ...
 
 
@@ -187,6 +188,22 @@ class DraftRecord:
 # Asked by a drafter after each draft step, with the chains of every sequence still drafting:
 # which of them should draft another token (all False ends drafting for this round).
 KeepDrafting = Callable[[Seq[DraftChain]], list[bool]]
+
+
+@dataclass(frozen=True)
+class VerifyCurve:
+    """What a verify forward of a full batch cost by the tokens it checked, timed when the engine
+    started (`Engine.measure_verify_curve`). On a CPU the cost is a staircase, not a line: the
+    matrix products work on blocks of rows, so at batch 4 on the CPU the benchmarks run on, 16
+    tokens cost 4.8 ms, 17 cost 5.4 and 20 no more than 17."""
+
+    batch_size: int
+    seconds: Mapping[int, float]  # tokens verified -> seconds
+
+    def added(self, tokens: int, more: int) -> float | None:
+        """What `more` tokens cost on top of `tokens`; None beyond the tokens timed."""
+        now, then = self.seconds.get(tokens), self.seconds.get(tokens + more)
+        return None if now is None or then is None else then - now
 
 
 def snap(k: int, candidates: Seq[int]) -> int:
@@ -273,7 +290,7 @@ class EmaPolicy:
         self.candidates = sorted(params.candidate_steps)
         self.set_steps(current)
 
-    def draft_cutoff(self) -> KeepDrafting | None:
+    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
         return None  # SGLang's ladder drafts every round to the full k
 
 
@@ -698,8 +715,8 @@ class GoodputPolicy:
         round_seconds = served[1] / served[2]
         return round_seconds / (max(chain.pace, 1.0) * self.batch_size)
 
-    def draft_cutoff(self) -> KeepDrafting | None:
-        return RoundCutoff(self) if self.params.draft_cutoff else None
+    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
+        return RoundCutoff(self, verify_curve) if self.params.draft_cutoff else None
 
     def keep_drafting(self, chains: Seq[DraftChain]) -> list[bool]:
         """Which of `chains` the cutoff lets draft another token, priced as of now."""
@@ -762,10 +779,12 @@ class RoundCutoff:
     than taken over all its drafts at every step.
     """
 
-    def __init__(self, policy: GoodputPolicy) -> None:
+    def __init__(self, policy: GoodputPolicy, verify_curve: VerifyCurve | None = None) -> None:
         self.policy = policy
         self.step_seconds = policy.costs.draft_step_seconds(policy.batch_size)
         self.token_seconds = policy.costs.verify_fit.slope()
+        # Read where every row of a full batch is still drafting: its timed shapes are those.
+        self.curve = verify_curve if verify_curve is not None and verify_curve.batch_size == policy.batch_size else None
         # id(chain) -> (the chain, held so that its id is not reused; drafts weighed; all kept)
         self.survived: dict[int, tuple[DraftChain, int, float]] = {}
 
@@ -774,6 +793,10 @@ class RoundCutoff:
         if self.step_seconds is None or any(w is None for w in worth):
             return [True] * len(chains)  # nothing measured yet: draft the full k
         saved = [self.next_draft_gain(chain) * w for chain, w in zip(chains, worth)]
+        if self.curve is not None and len(chains) == self.curve.batch_size:
+            on_the_curve = self._on_the_curve(chains, saved)
+            if on_the_curve is not None:
+                return on_the_curve
         token_seconds = self.token_seconds
         chosen = {i for i, chain in enumerate(chains) if chain.looked_up and saved[i] > token_seconds}
         drafted = [i for i, chain in enumerate(chains) if not chain.looked_up]
@@ -784,6 +807,30 @@ class RoundCutoff:
             if surplus > best:
                 best, going_on = surplus, count
         chosen.update(ranked[:going_on])
+        return [i in chosen for i in range(len(chains))]
+
+    def _on_the_curve(self, chains: Seq[DraftChain], saved: list[float]) -> list[bool] | None:
+        """Every row of the batch drafted by the model and still drafting: the chains that go on
+        are priced by the engine's timed verify curve rather than the fitted line, which prices a
+        token alike wherever it falls. Rounds of four sampled rows on the CPU then verify 16
+        tokens, the most before the curve steps up, as static k = 3 does, rather than 12 or 17
+        to 20. None where a lookup joined the round (its rows are ragged, as the curve's are not) or
+        beyond the tokens timed."""
+        if any(chain.looked_up for chain, _, _ in self.survived.values()):
+            return None
+        assert self.curve is not None
+        tokens = len(chains) + sum(len(chain.confidence) for chain in chains)
+        ranked = sorted(range(len(chains)), key=lambda i: -saved[i])
+        best, going_on, gained = 0.0, 0, 0.0
+        for count, i in enumerate(ranked, start=1):
+            verify = self.curve.added(tokens, count)
+            if verify is None:
+                return None
+            gained += saved[i]
+            surplus = gained - self.step_seconds - verify
+            if surplus > best:
+                best, going_on = surplus, count
+        chosen = set(ranked[:going_on])
         return [i in chosen for i in range(len(chains))]
 
     def next_draft_gain(self, chain: DraftChain) -> float:
@@ -852,8 +899,8 @@ class SlottedPolicy:
     def set_steps(self, k: int) -> None:
         self.slots[self.active].set_steps(k)
 
-    def draft_cutoff(self) -> KeepDrafting | None:
-        return self.slots[self.active].draft_cutoff()
+    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
+        return self.slots[self.active].draft_cutoff(verify_curve)
 
     def update_params(self, params: PolicyParams) -> None:
         if params.strategy != self.params.strategy or {s.min_batch_size for s in params.slots} != {

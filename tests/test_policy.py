@@ -21,6 +21,7 @@ from engine.policy import (
     Observation,
     PolicyParams,
     SlottedPolicy,
+    VerifyCurve,
     make_policy,
     snap,
 )
@@ -543,6 +544,41 @@ def test_a_looked_up_chain_is_not_counted_as_draft_steps():
         )
     assert Observation(12, (0, 12), (3, 12), chains=(model, looked_up)).draft_steps == 3
     assert policy.costs.draft_step_seconds(2) == pytest.approx(0.0005, rel=0.05)
+
+
+def full_batch_policy() -> GoodputPolicy:
+    """Goodput at k = 7 that has measured rounds of four confident drafted chains (batch 4)."""
+    policy = GoodputPolicy(PolicyParams(strategy="goodput", candidate_steps=(7,), draft_cutoff=True), 7)
+    for i in range(30):
+        n = 7 if i % 2 else 4
+        observe_round(policy, (n,) * 4, ((0.95,) * n,) * 4)
+    return policy
+
+
+# A verify forward of four rows that costs 4 ms more from the 17th token on, and next to nothing
+# a token otherwise: the staircase a CPU's blocked matrix products make, made steep.
+STAIRCASE = VerifyCurve(4, {n: 0.004 + 0.00001 * n + (0.004 if n > 16 else 0.0) for n in range(4, 37)})
+
+
+def test_with_the_engines_verify_curve_a_full_batch_stops_short_of_a_step_up():
+    """Four rows drafting: the line prices the 17th to 20th tokens like any other and they go
+    on; the curve knows what they cost, and they stop at 16, as static k = 3 stops."""
+    policy = full_batch_policy()
+    two, three = [chain(0.95, 0.95)] * 4, [chain(0.95, 0.95, 0.95)] * 4
+    assert policy.draft_cutoff()(three) == [True] * 4
+    with_curve = policy.draft_cutoff(STAIRCASE)
+    assert with_curve(two) == [True] * 4  # 12 to 16 tokens: next to nothing
+    assert with_curve(three) == [False] * 4  # 16 to 20: the step up
+    assert policy.draft_cutoff(VerifyCurve(2, STAIRCASE.seconds))(three) == [True] * 4  # another batch size's curve
+
+
+def test_a_round_with_a_looked_up_chain_is_priced_by_the_line_whatever_the_curve():
+    """Rows with lookups are ragged, as the timed shapes are not: once a lookup has joined the
+    round, the drafted chains are priced as without a curve."""
+    policy = full_batch_policy()
+    keep = policy.draft_cutoff(STAIRCASE)
+    keep([looked_up(6, match=4)])
+    assert keep([chain(0.95, 0.95, 0.95)] * 4) == [True] * 4
 
 
 def looked_up(length: int, match: int) -> Proposal:

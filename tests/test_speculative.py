@@ -244,6 +244,20 @@ def test_state_for_a_new_k_is_built_off_the_hot_path_and_selected_at_a_boundary(
         engine.build_state(9)
 
 
+def test_the_verify_curve_is_timed_for_every_token_count_of_a_full_batch_before_serving(pair):
+    target, draft = pair
+    engine = Engine(target, DraftModelDrafter(draft, 3, MAX_SEQ_LEN), 3, MAX_SEQ_LEN, [3])
+    assert engine.verify_curve is None  # timed only when asked: the daemon asks at start
+    curve = engine.measure_verify_curve(widest=4, repeats=2)
+    assert curve is engine.verify_curve and curve is not None
+    assert curve.batch_size == 3 and sorted(curve.seconds) == list(range(3, 13))
+    assert all(seconds > 0 for seconds in curve.seconds.values())
+    assert engine.cache.lengths == [0, 0, 0]  # timed on a scratch cache: nothing served is touched
+    alone = Engine(target, DraftModelDrafter(draft, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [3])
+    assert alone.measure_verify_curve() is None  # a batch of one verifies one chain: no curve
+    assert Engine(target, None, 2, MAX_SEQ_LEN, [0]).measure_verify_curve() is None
+
+
 def test_cancel_frees_the_slot_at_the_next_boundary(pair):
     target, draft = pair
     engine = Engine(target, DraftModelDrafter(draft, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [3])
