@@ -793,45 +793,49 @@ class RoundCutoff:
         if self.step_seconds is None or any(w is None for w in worth):
             return [True] * len(chains)  # nothing measured yet: draft the full k
         saved = [self.next_draft_gain(chain) * w for chain, w in zip(chains, worth)]
-        if self.curve is not None and len(chains) == self.curve.batch_size:
-            on_the_curve = self._on_the_curve(chains, saved)
-            if on_the_curve is not None:
-                return on_the_curve
         token_seconds = self.token_seconds
         chosen = {i for i, chain in enumerate(chains) if chain.looked_up and saved[i] > token_seconds}
         drafted = [i for i, chain in enumerate(chains) if not chain.looked_up]
         ranked = sorted(drafted, key=lambda i: -saved[i])
-        best, going_on, surplus = 0.0, 0, -self.step_seconds
-        for count, i in enumerate(ranked, start=1):
-            surplus += saved[i] - token_seconds
-            if surplus > best:
-                best, going_on = surplus, count
+        going_on = None
+        curve = self.curve if self._on_the_curve(chains) else None
+        if curve is not None:
+            tokens = len(chains) + sum(len(chain.confidence) for chain in chains)
+            going_on = self._most_that_pay(ranked, saved, lambda count: curve.added(tokens, count))
+        if going_on is None:
+            going_on = self._most_that_pay(ranked, saved, lambda count: count * token_seconds)
         chosen.update(ranked[:going_on])
         return [i in chosen for i in range(len(chains))]
 
-    def _on_the_curve(self, chains: Seq[DraftChain], saved: list[float]) -> list[bool] | None:
-        """Every row of the batch drafted by the model and still drafting: the chains that go on
-        are priced by the engine's timed verify curve rather than the fitted line, which prices a
-        token alike wherever it falls. Rounds of four sampled rows on the CPU then verify 16
-        tokens, the most before the curve steps up, as static k = 3 does, rather than 12 or 17
-        to 20. None where a lookup joined the round (its rows are ragged, as the curve's are not) or
-        beyond the tokens timed."""
-        if any(chain.looked_up for chain, _, _ in self.survived.values()):
-            return None
-        assert self.curve is not None
-        tokens = len(chains) + sum(len(chain.confidence) for chain in chains)
-        ranked = sorted(range(len(chains)), key=lambda i: -saved[i])
+    def _on_the_curve(self, chains: Seq[DraftChain]) -> bool:
+        """Whether the verify is priced by the engine's timed curve rather than the fitted line,
+        which prices a token alike wherever it falls: where every row of the batch is drafted by
+        the model and still drafting, the shapes the curve timed. Rounds of four sampled rows on
+        the CPU then verify 16 tokens, the most before the curve steps up, as static k = 3 does,
+        rather than 12 or 17 to 20. Not once a lookup joined the round: its rows are ragged, as
+        the curve's are not."""
+        return (
+            self.curve is not None
+            and len(chains) == self.curve.batch_size
+            and not any(chain.looked_up for chain, _, _ in self.survived.values())
+        )
+
+    def _most_that_pay(
+        self, ranked: Seq[int], saved: Seq[float], verify_seconds: Callable[[int], float | None]
+    ) -> int | None:
+        """How many of the chains `ranked` (the most saving first) go on: as many as save the most
+        beyond the draft step and `verify_seconds(count)`, what verifying their next drafts adds;
+        None where that is not known for some count (beyond the tokens a curve timed)."""
         best, going_on, gained = 0.0, 0, 0.0
         for count, i in enumerate(ranked, start=1):
-            verify = self.curve.added(tokens, count)
+            verify = verify_seconds(count)
             if verify is None:
                 return None
             gained += saved[i]
             surplus = gained - self.step_seconds - verify
             if surplus > best:
                 best, going_on = surplus, count
-        chosen = set(ranked[:going_on])
-        return [i in chosen for i in range(len(chains))]
+        return going_on
 
     def next_draft_gain(self, chain: DraftChain) -> float:
         """The chance the chain's next draft is kept: every draft so far must be (the drafter's
