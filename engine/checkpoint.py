@@ -106,6 +106,7 @@ def load_checkpoint(
     device: str = "cpu",
     dtype: str | None = None,
     max_positions: int | None = None,
+    native_forward: bool = True,
 ) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
@@ -158,7 +159,7 @@ def load_checkpoint(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)
-    if can_pack_linears(torch_device, torch_dtype):
+    if not (native_forward and model.use_native()) and can_pack_linears(torch_device, torch_dtype):
         model.pack_linears()
 
     tokenizer_path = path / "tokenizer.json"

@@ -111,8 +111,10 @@ class DraftModelDrafter:
         self.checkpoint = draft
         # On CPU a draft step streams the draft's weights from memory (the target's evict them
         # from cache every round): int8 weights are a quarter of the bytes. The draft's precision
-        # only moves the acceptance rate; the target verifies every token.
-        self.model = int8_linears(draft.model) if quantize and draft.device.type == "cpu" else draft.model
+        # only moves the acceptance rate; the target verifies every token. The compiled float32
+        # forward (engine/native.py) beats PyTorch's int8 operators, so it is kept where it runs.
+        cpu_int8 = quantize and draft.device.type == "cpu" and draft.model.native is None
+        self.model = int8_linears(draft.model) if cpu_int8 else draft.model
         self.cache: KVCache = self.model.new_cache(max_batch_size, max_seq_len)
         # Decode-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: GraphSet | None = None

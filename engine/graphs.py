@@ -164,6 +164,8 @@ class GraphRunner:
     """Captures and replays the forwards of one model over one cache, through a backend."""
 
     def __init__(self, model: Transformer, cache: KVCache, backend: Backend, batch_sizes: Iterable[int]) -> None:
+        if model.native is not None:
+            raise ValueError("graphs capture the PyTorch forward; this model runs the compiled CPU one")
         self.model = model
         self.cache = cache
         self.backend = backend

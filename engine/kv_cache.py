@@ -6,6 +6,8 @@ mask stops at each query's own position) and are overwritten by the next forward
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -23,15 +25,34 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        transposed_keys: bool = False,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         # One spare position per row: padded tokens of a ragged batch write there (`scratch_pos`).
         shape = (num_layers, max_batch_size, max_seq_len + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # The compiled CPU forward (engine/native.py) reads keys position-minor, [layers, slots,
+        # kv heads, head_dim, positions rounded up to 64], so that scores are a product of tiles
+        # with no transposition per forward; `keys` views either layout the same way. It reads
+        # values 64 at a time, so a head narrower than that may read up to 64 past the last one.
+        self.transposed_keys = transposed_keys
+        if transposed_keys:
+            values = torch.zeros(math.prod(shape) + 64, dtype=dtype, device=device)
+            self.v = values[: math.prod(shape)].view(shape)
+        else:
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if transposed_keys:
+            positions = -(-(max_seq_len + 1) // 64) * 64
+            key_shape = (num_layers, max_batch_size, num_kv_heads, head_dim, positions)
+            self.k = torch.zeros(key_shape, dtype=dtype, device=device)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * max_batch_size
         self._free = list(range(max_batch_size - 1, -1, -1))
+
+    def keys(self, slot: int) -> torch.Tensor:
+        """The keys of `slot`, [layers, positions, kv heads, head_dim], whatever the layout."""
+        return self.k[:, slot].permute(0, 3, 1, 2) if self.transposed_keys else self.k[:, slot]
 
     @property
     def scratch_pos(self) -> int:

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import native
 from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import KVCache
+from engine.native import NativeForward
 
 
 @dataclass
@@ -383,6 +385,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.build_rope()
+        # The compiled CPU forward (engine/native.py), for inference after loading; see `use_native`.
+        self.native: NativeForward | None = None
 
     def build_rope(self) -> None:
         device = self.embed_tokens.weight.device
@@ -392,6 +396,25 @@ class Transformer(nn.Module):
         self.rope_cos = angles.cos().repeat(1, 2)
         self.rope_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # see apply_rope
 
+    def use_native(self) -> bool:
+        """Run every forward through the compiled CPU kernels (engine/native.py) where they can
+        serve this model: float32 on a CPU, with a C compiler. Moving or loading the parameters
+        afterwards turns them off again. Returns whether they are on."""
+        weight = self.embed_tokens.weight
+        if self.native is None and native.available(weight.device, weight.dtype):
+            lib = native.library()
+            assert lib is not None
+            self.native = NativeForward(self, lib)
+        return self.native is not None
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self.native = None
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        self.native = None
+        super()._load_from_state_dict(*args, **kwargs)
+
     def forward(
         self,
         batch: ForwardBatch,
@@ -400,6 +423,8 @@ class Transformer(nn.Module):
         capture: Sequence[int] = (),
     ) -> ForwardOutput:
         """Run the new tokens of `batch`, appending them to `cache`, and return their logits."""
+        if self.native is not None:
+            return self.native(batch, cache, last_only, tuple(capture))
         x, hidden = self.run_layers(batch, cache, capture)
         if last_only and batch.real is not None:  # x is packed: each sequence's last real token
             last = torch.tensor(list(itertools.accumulate(batch.num_new)), device=x.device) - 1
@@ -461,4 +486,5 @@ class Transformer(nn.Module):
             self.config.head_dim,
             dtype=param.dtype,
             device=param.device,
+            transposed_keys=self.native is not None,
         )

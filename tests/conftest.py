@@ -77,12 +77,18 @@ def perturbed_copy(source: Path, destination: Path, scale: float, seed: int = 1)
     return destination
 
 
+def tiny_pair(root: Path, native_forward: bool = True):
+    """A tiny target and a draft that mostly agrees with it, loaded from checkpoints under `root`."""
+    from engine.checkpoint import load_checkpoint
+
+    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
+    draft_dir = perturbed_copy(target_dir, root / "draft", scale=0.2)
+    return load_checkpoint(target_dir, native_forward=native_forward), load_checkpoint(
+        draft_dir, native_forward=native_forward
+    )
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny target and a draft that mostly agrees with it."""
-    from engine.checkpoint import load_checkpoint
-
-    root = tmp_path_factory.mktemp("pair")
-    target_dir = save_tiny(tiny_hf_model("llama", vocab_size=64), root / "target")
-    draft_dir = perturbed_copy(target_dir, root / "draft", scale=0.2)
-    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
+    return tiny_pair(tmp_path_factory.mktemp("pair"))

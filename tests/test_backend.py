@@ -30,11 +30,17 @@ from engine.graphs import (
 from engine.model import ForwardBatch
 from engine.request import Request
 from engine.sampling import SamplingParams
-from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, save_tiny, tiny_hf_model
+from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, save_tiny, tiny_hf_model, tiny_pair
 from tests.test_speculative import PROMPTS
 
 MAX_SEQ_LEN = 96
 STEPS = (0, 1, 2, 3, 5, 7)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The tiny pair on PyTorch operators: graphs capture those, never the compiled CPU forward."""
+    return tiny_pair(tmp_path_factory.mktemp("pair"), native_forward=False)
 
 
 class RerunGraph:
@@ -239,7 +245,9 @@ def load_tiny(family: str, **overrides):
     from pathlib import Path
 
     with tempfile.TemporaryDirectory() as tmp:
-        return load_checkpoint(save_tiny(tiny_hf_model(family, vocab_size=64, **overrides), Path(tmp))).model
+        return load_checkpoint(
+            save_tiny(tiny_hf_model(family, vocab_size=64, **overrides), Path(tmp)), native_forward=False
+        ).model
 
 
 def clone_cache(cache):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import native
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import CheckpointError
 from engine.device import DeviceError, resolve_device
@@ -115,11 +116,20 @@ def test_unknown_device_is_rejected():
         resolve_device("tpu")
 
 
+def test_cpu_float32_checkpoints_run_the_compiled_forward_with_the_same_logits(tiny_dir):
+    checkpoint = load_checkpoint(tiny_dir)
+    assert checkpoint.model.native is not None, native.problem()
+    compiled = logits_of(checkpoint, [3, 4, 5, 6])
+    checkpoint.model.to(torch.float32)  # any conversion drops the compiled forward ...
+    assert checkpoint.model.native is None
+    torch.testing.assert_close(logits_of(checkpoint, [3, 4, 5, 6]), compiled, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_checkpoints_run_from_packed_weights_with_the_same_logits(tiny_dir, dtype):
     if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bfloat16 instructions for oneDNN")
-    checkpoint = load_checkpoint(tiny_dir, dtype=dtype)
+    checkpoint = load_checkpoint(tiny_dir, dtype=dtype, native_forward=False)
     linears = [m for m in checkpoint.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     packed = logits_of(checkpoint, [3, 4, 5, 6])
@@ -133,5 +143,6 @@ def test_loading_new_weights_drops_the_stale_packed_copy(tiny_dir, tmp_path):
     checkpoint = load_checkpoint(tiny_dir)
     other = load_checkpoint(save_tiny(tiny_hf_model("llama", seed=1), tmp_path / "other"))
     checkpoint.model.load_state_dict(other.model.state_dict())
+    assert checkpoint.model.native is None
     assert all(m.packed is None for m in checkpoint.model.modules() if isinstance(m, Linear))
     torch.testing.assert_close(logits_of(checkpoint, [3, 4, 5]), logits_of(other, [3, 4, 5]), atol=1e-5, rtol=1e-5)

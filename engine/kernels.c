@@ -1,0 +1,403 @@
+/* The decoder forward on a CPU in one call: every layer, in float32, for a batch of rows that each
+ * append some new tokens to their own KV cache slot (a prompt, one decode token, or a verify of
+ * k+1 tokens). engine/native.py compiles this file once per machine and calls it through ctypes.
+ *
+ * Why not PyTorch operators: on the small models adaspec drafts with, a decode token costs about
+ * as much in per-operator dispatch as in arithmetic, and the matrix-vector products of its
+ * library kernels stream weights at half the memory bandwidth. Here one call runs the whole
+ * forward on one OpenMP team (the same libgomp PyTorch uses, so the two share their threads).
+ *
+ * Every output element is computed by the same sequence of operations whatever the batch: a
+ * token's logits do not depend on which other tokens, rows or threads share its forward. A
+ * verify of k+1 tokens therefore gives bit for bit the logits k+1 decode steps would, which
+ * keeps greedy speculation token-for-token equal to target-only decoding.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 16 floats: one AVX-512 register where the CPU has them; GCC splits it where it has not. */
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+
+#define PANEL 64 /* output columns per weight panel: four vectors */
+#define TILE_ROWS 6 /* input rows per register tile: 24 accumulators */
+
+/* A weight [n, k] stored as panels of PANEL output columns, each [k][PANEL] (the last one
+ * zero-padded), so that a product streams it from memory exactly once in order. */
+typedef struct {
+    const float *panels;
+    const float *bias; /* [n] or NULL */
+    int32_t n, k;
+} Linear;
+
+typedef struct {
+    const float *input_norm;
+    Linear qkv;
+    const float *q_norm, *k_norm; /* [head_dim] each, or NULL */
+    Linear o_proj;
+    const float *post_norm;
+    Linear gate_up;
+    Linear down;
+} Layer;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
+    int32_t sliding_window; /* 0: none */
+    float eps;
+    const float *embed;              /* [vocab, hidden] */
+    const float *norm;               /* [hidden] */
+    const float *rope_cos, *rope_sin; /* [positions, head_dim]; sin with rotate-half's sign */
+    Linear lm_head;
+    const Layer *layers;
+} Model;
+
+typedef struct {
+    float *k;                  /* [layers, slots, kv_heads, head_dim, positions]: keys position-minor */
+    float *v;                  /* [layers, slots, positions, kv_heads, head_dim] */
+    int64_t k_layer, k_slot, positions;
+    int64_t v_layer, v_slot;
+} Cache;
+
+typedef struct {
+    int32_t rows, width;     /* tokens is [rows, width], right-padded */
+    const int64_t *tokens;
+    const int32_t *slot, *start, *count; /* per row: cache slot, tokens cached before, new tokens */
+    int32_t last_only;       /* logits of each row's last token only ([rows, vocab]) */
+    float *logits;           /* [rows, width, vocab], or [rows, vocab] with last_only */
+    int32_t num_captured;    /* layers whose outputs are copied to captured[i], [rows, width, hidden] */
+    const int32_t *captured_layers;
+    float *const *captured;
+    int32_t threads;
+} Batch;
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+/* The sum of a vector's lanes, as a tree: a chain of 15 dependent adds would cost more than the
+ * products it sums. */
+static inline float hsum(vf v) {
+    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef int32_t vi __attribute__((vector_size(64)));
+
+/* Per lane: a where mask is set (all ones), else b. */
+static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* e^x on 16 lanes (within 2 ulp): 2^n * e^r with |r| <= ln 2 / 2, a degree-6 polynomial for e^r.
+ * Softmax and SiLU run through it on whole vectors only, so an element's value never depends on
+ * which lane or loop it fell in. */
+static inline vf vexp(vf x) {
+    const vf high = (vf){0} + 88.3762626647949f, low = (vf){0} - 87.3365447505531f;
+    x = pick(x > high, high, x);
+    x = pick(x < low, low, x);
+    const vf shifter = (vf){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const vf n = (x * 1.44269504088896341f + shifter) - shifter;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+
+/* rows x PANEL outputs: y[m][j] = sum_i x[m][i] * w[i][j] for i < k, where row i of w starts at
+ * w + i * ldw; one multiply-add chain per output in i order, the same whatever `rows` is. */
+static inline __attribute__((always_inline)) void tile(
+    const int rows, int k, const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, int columns,
+    float *const *y, int accumulate) {
+    vf acc[TILE_ROWS][4];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};
+    for (int i = 0; i < k; i++) {
+        const float *wi = w + (int64_t)i * ldw;
+        const vf w0 = *(const vf_unaligned *)wi, w1 = *(const vf_unaligned *)(wi + 16);
+        const vf w2 = *(const vf_unaligned *)(wi + 32), w3 = *(const vf_unaligned *)(wi + 48);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            const float xs = x[m * ldx + i];
+            acc[m][0] += w0 * xs;
+            acc[m][1] += w1 * xs;
+            acc[m][2] += w2 * xs;
+            acc[m][3] += w3 * xs;
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float *out = y[m];
+        for (int j = 0; j < columns; j++) {
+            float value = acc[m][j >> 4][j & 15];
+            if (bias) value += bias[j];
+            out[j] = accumulate ? out[j] + value : value;
+        }
+    }
+}
+
+/* `tile` for 1 to TILE_ROWS rows, each count compiled with its accumulators in registers. */
+static void tile_rows(int rows, int k, const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias,
+                      int columns, float *const *y, int accumulate) {
+    switch (rows) {
+        case 1: tile(1, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
+        case 2: tile(2, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
+        case 3: tile(3, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
+        case 4: tile(4, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
+        case 5: tile(5, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
+        default: tile(6, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
+    }
+}
+
+/* y[m] (+)= x[m] @ w.T (+ bias) for m < rows; y_row(m) = y + (index ? index[m] : m) * ldy.
+ * Called by every thread of the team: panels are shared out, and the team waits at the end. */
+static void linear(const float *x, int rows, const Linear *w, float *y, int64_t ldy, const int64_t *index,
+                   int accumulate) {
+    const int panels = (w->n + PANEL - 1) / PANEL;
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const float *panel = w->panels + (int64_t)p * w->k * PANEL;
+        const int n0 = p * PANEL;
+        const int columns = w->n - n0 < PANEL ? w->n - n0 : PANEL;
+        const float *bias = w->bias ? w->bias + n0 : NULL;
+        for (int m0 = 0; m0 < rows; m0 += TILE_ROWS) {
+            const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
+            float *out[TILE_ROWS];
+            for (int m = 0; m < mr; m++) out[m] = y + (index ? index[m0 + m] : m0 + m) * ldy + n0;
+            tile_rows(mr, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, columns, out, accumulate);
+        }
+    }
+}
+
+static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
+}
+
+/* x * cos + rotate_half(x) * sin, in place on one head. */
+static void rope(float *x, const float *cos, const float *sin, int dim) {
+    const int half = dim / 2;
+    float rotated[dim];
+    for (int i = 0; i < dim; i++) rotated[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
+    memcpy(x, rotated, sizeof(float) * (size_t)dim);
+}
+
+/* p[j] = softmax(scale * p[first..pos])[j], and 0 for every other j up to `last`; on whole
+ * vectors from j = 0 (p has room up to a multiple of 16 past `last`), hidden places counting 0. */
+static void softmax(float *p, int first, int pos, int last, float scale) {
+    const int end = pos / 16 * 16 + 16;
+    vf top = (vf){0} - INFINITY;
+    for (int j = 0; j < end; j += 16) {
+        vf v = *(vf_unaligned *)(p + j) * scale;
+        const vi at = (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j;
+        v = pick((at >= first) & (at <= pos), v, top);
+        top = pick(v > top, v, top);
+    }
+    float most = top[0];
+    for (int i = 1; i < 16; i++) most = top[i] > most ? top[i] : most;
+    vf total = (vf){0};
+    for (int j = 0; j < end; j += 16) {
+        const vi at = (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j;
+        vf e = vexp(*(vf_unaligned *)(p + j) * scale - most);
+        e = pick((at >= first) & (at <= pos), e, (vf){0});
+        *(vf_unaligned *)(p + j) = e;
+        total += e;
+    }
+    const float inverse = 1.0f / hsum(total);
+    for (int j = 0; j < end; j += 16) *(vf_unaligned *)(p + j) *= inverse;
+    for (int j = end; j <= last; j++) p[j] = 0.0f;
+}
+
+/* Scratch one thread needs to attend: a tile of queries and their probabilities. */
+typedef struct {
+    float *queries, *probs;
+} AttendScratch;
+
+/* One row's new tokens, for the query heads that share kv head `kv`: scores and weighted values
+ * as tiles of products (queries x keys, probabilities x values), so that a query's result does
+ * not depend on which other queries share its tile (causally hidden keys get a probability of
+ * exactly 0). keys: [head_dim, positions] of this slot and head; values: [positions] rows. */
+static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, int count, int start,
+                   const float *keys, int64_t positions, const float *values, int64_t value_stride, float *out,
+                   int64_t out_stride, const AttendScratch *s) {
+    const int dim = m->head_dim, group = m->num_heads / m->num_kv_heads, length = start + count;
+    const int64_t ldp = (int64_t)(length + PANEL - 1) / PANEL * PANEL;
+    const float scale = 1.0f / sqrtf((float)dim);
+    const int queries = count * group;
+    for (int q0 = 0; q0 < queries; q0 += TILE_ROWS) {
+        const int rows = queries - q0 < TILE_ROWS ? queries - q0 : TILE_ROWS;
+        float *score_rows[TILE_ROWS], *out_rows[TILE_ROWS];
+        int last = 0; /* the last position any query of the tile sees */
+        for (int r = 0; r < rows; r++) {
+            const int t = (q0 + r) / group, head = kv * group + (q0 + r) % group;
+            memcpy(s->queries + r * dim, qkv + t * qkv_size + head * dim, sizeof(float) * (size_t)dim);
+            out_rows[r] = out + t * out_stride + head * dim;
+            if (start + t > last) last = start + t;
+        }
+        for (int b = 0; b <= last / PANEL; b++) {
+            for (int r = 0; r < rows; r++) score_rows[r] = s->probs + r * ldp + b * PANEL;
+            tile_rows(rows, dim, s->queries, dim, keys + b * PANEL, positions, NULL, PANEL, score_rows, 0);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int pos = start + (q0 + r) / group;
+            const int first = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
+            softmax(s->probs + r * ldp, first, pos, last, scale);
+        }
+        for (int d = 0; d < dim; d += PANEL) {
+            float *rows_at[TILE_ROWS];
+            for (int r = 0; r < rows; r++) rows_at[r] = out_rows[r] + d;
+            const int columns = dim - d < PANEL ? dim - d : PANEL; /* reads past them land in the padding */
+            tile_rows(rows, last + 1, s->probs, ldp, values + d, value_stride, NULL, columns, rows_at, 0);
+        }
+    }
+}
+
+/* out = silu(gate) * up = gate / (1 + e^-gate) * up, on whole vectors (the tail through a copy). */
+static void silu_times(const float *gate, const float *up, int n, float *out) {
+    for (int i = 0; i < n; i += 16) {
+        vf g = (vf){0}, u = (vf){0};
+        const int lanes = n - i < 16 ? n - i : 16;
+        memcpy(&g, gate + i, sizeof(float) * (size_t)lanes);
+        memcpy(&u, up + i, sizeof(float) * (size_t)lanes);
+        const vf y = g / (1.0f + vexp(-g)) * u;
+        memcpy(out + i, &y, sizeof(float) * (size_t)lanes);
+    }
+}
+
+static float *take(float **arena, int64_t n) {
+    float *p = *arena;
+    *arena += (n + 15) & ~(int64_t)15;
+    return p;
+}
+
+/* Runs the forward; returns 0, or -1 when memory for the activations could not be had. */
+int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
+    const int hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
+    const int q_size = heads * dim, qkv_size = (heads + 2 * kv_heads) * dim, inter = m->intermediate;
+    const int64_t key_stride = (int64_t)kv_heads * dim;
+
+    int tokens = 0, longest = 0;
+    for (int r = 0; r < b->rows; r++) {
+        tokens += b->count[r];
+        if (b->start[r] + b->count[r] > longest) longest = b->start[r] + b->count[r];
+    }
+    const int outputs = b->last_only ? b->rows : tokens;
+    const int threads = b->threads > 0 ? b->threads : 1;
+    const int64_t keys_padded = (int64_t)(longest + PANEL - 1) / PANEL * PANEL;
+    const int64_t per_thread = TILE_ROWS * dim + TILE_ROWS * keys_padded + 2 * 16;
+    int64_t floats = (int64_t)tokens * (2 * hidden + qkv_size + q_size + 3 * inter) + (int64_t)outputs * hidden +
+                     threads * per_thread + 16 * 8;
+    float *arena = malloc(sizeof(float) * (size_t)floats);
+    int64_t *where = malloc(sizeof(int64_t) * (size_t)(3 * tokens + 2 * outputs + b->rows + 1));
+    if (!arena || !where) {
+        free(arena);
+        free(where);
+        return -1;
+    }
+    float *next = arena;
+    float *x = take(&next, (int64_t)tokens * hidden), *h = take(&next, (int64_t)tokens * hidden);
+    float *qkv = take(&next, (int64_t)tokens * qkv_size), *attn = take(&next, (int64_t)tokens * q_size);
+    float *gate_up = take(&next, (int64_t)tokens * 2 * inter), *act = take(&next, (int64_t)tokens * inter);
+    float *last = take(&next, (int64_t)outputs * hidden), *attend_arena = next;
+
+    /* Per packed token: its place in the padded [rows, width] layout, its cache row, its position;
+     * per output: the token whose logits it is, and its row of `logits`. */
+    int64_t *padded = where, *cache_row = where + tokens, *position = where + 2 * tokens;
+    int64_t *selected = where + 3 * tokens, *out_row = selected + outputs, *row_first = out_row + outputs;
+    for (int r = 0, t = 0; r < b->rows; r++) {
+        row_first[r] = t;
+        for (int j = 0; j < b->count[r]; j++, t++) {
+            padded[t] = (int64_t)r * b->width + j;
+            cache_row[t] = b->slot[r];
+            position[t] = b->start[r] + j;
+            if (!b->last_only) {
+                selected[t] = t;
+                out_row[t] = padded[t];
+            } else if (j == b->count[r] - 1) {
+                selected[r] = t;
+                out_row[r] = r;
+            }
+        }
+    }
+
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = attend_arena + omp_get_thread_num() * per_thread;
+        const AttendScratch my_scratch = {mine, mine + TILE_ROWS * dim + 16};
+#pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++)
+            memcpy(x + (int64_t)t * hidden, m->embed + b->tokens[padded[t]] * hidden, sizeof(float) * (size_t)hidden);
+
+        for (int l = 0; l < m->num_layers; l++) {
+            const Layer *layer = &m->layers[l];
+            float *k_cache = cache->k + l * cache->k_layer, *v_cache = cache->v + l * cache->v_layer;
+#pragma omp for schedule(static)
+            for (int t = 0; t < tokens; t++)
+                rms_norm(x + (int64_t)t * hidden, layer->input_norm, hidden, m->eps, h + (int64_t)t * hidden);
+            linear(h, tokens, &layer->qkv, qkv, qkv_size, NULL, 0);
+
+            /* Queries and keys: norm (Qwen3) and rotate; keys and values go to the cache. */
+#pragma omp for schedule(static)
+            for (int t = 0; t < tokens; t++) {
+                float *row = qkv + (int64_t)t * qkv_size;
+                const float *cos = m->rope_cos + position[t] * dim, *sin = m->rope_sin + position[t] * dim;
+                for (int head = 0; head < heads + kv_heads; head++) {
+                    float *vec = row + head * dim;
+                    const float *norm = head < heads ? layer->q_norm : layer->k_norm;
+                    if (norm) rms_norm(vec, norm, dim, m->eps, vec);
+                    rope(vec, cos, sin, dim);
+                }
+                float *keys = k_cache + cache_row[t] * cache->k_slot + position[t];
+                for (int i = 0; i < key_stride; i++) keys[i * cache->positions] = row[q_size + i];
+                memcpy(v_cache + cache_row[t] * cache->v_slot + position[t] * key_stride, row + q_size + key_stride,
+                       sizeof(float) * (size_t)key_stride);
+            }
+#pragma omp for schedule(static) collapse(2)
+            for (int r = 0; r < b->rows; r++) {
+                for (int kv = 0; kv < kv_heads; kv++) {
+                    attend(m, kv, qkv + row_first[r] * qkv_size, qkv_size, b->count[r], b->start[r],
+                           k_cache + b->slot[r] * cache->k_slot + (int64_t)kv * dim * cache->positions, cache->positions,
+                           v_cache + b->slot[r] * cache->v_slot + (int64_t)kv * dim, key_stride,
+                           attn + row_first[r] * q_size, q_size, &my_scratch);
+                }
+            }
+            linear(attn, tokens, &layer->o_proj, x, hidden, NULL, 1);
+
+#pragma omp for schedule(static)
+            for (int t = 0; t < tokens; t++)
+                rms_norm(x + (int64_t)t * hidden, layer->post_norm, hidden, m->eps, h + (int64_t)t * hidden);
+            linear(h, tokens, &layer->gate_up, gate_up, 2 * inter, NULL, 0);
+#pragma omp for schedule(static)
+            for (int t = 0; t < tokens; t++) {
+                const float *gate = gate_up + (int64_t)t * 2 * inter, *up = gate + inter;
+                float *out = act + (int64_t)t * inter;
+                silu_times(gate, up, inter, out);
+            }
+            linear(act, tokens, &layer->down, x, hidden, NULL, 1);
+
+            for (int c = 0; c < b->num_captured; c++) {
+                if (b->captured_layers[c] != l) continue;
+#pragma omp for schedule(static)
+                for (int t = 0; t < tokens; t++)
+                    memcpy(b->captured[c] + padded[t] * hidden, x + (int64_t)t * hidden, sizeof(float) * (size_t)hidden);
+            }
+        }
+
+#pragma omp for schedule(static)
+        for (int s = 0; s < outputs; s++)
+            rms_norm(x + selected[s] * hidden, m->norm, hidden, m->eps, last + (int64_t)s * hidden);
+        linear(last, outputs, &m->lm_head, b->logits, m->vocab, out_row, 0);
+    }
+    free(arena);
+    free(where);
+    return 0;
+}

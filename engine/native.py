@@ -1,0 +1,305 @@
+"""The CPU forward of engine/kernels.c: compiled once per machine and source, called through ctypes.
+
+A float32 model on a CPU runs every forward (prefill, decode, verify, draft) as one call into
+the compiled kernels instead of a few hundred PyTorch operators. The library is built with the
+system's C compiler on first use and kept in the cache directory (`$ADASPEC_CACHE_DIR`, else
+`$XDG_CACHE_HOME/adaspec`, else `~/.cache/adaspec`), keyed by the source, the compiler and the
+CPU. Where no compiler works, or `ADASPEC_NATIVE=0`, models run on the PyTorch operators instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
+    from engine.model import ForwardBatch, ForwardOutput, Transformer
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+PANEL = 64  # output columns per weight panel, as in kernels.c
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+_i32 = ctypes.c_int32
+_ptr = ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("panels", _ptr), ("bias", _ptr), ("n", _i32), ("k", _i32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("qkv", _Linear),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("o_proj", _Linear),
+        ("post_norm", _ptr),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i32),
+        ("hidden", _i32),
+        ("num_heads", _i32),
+        ("num_kv_heads", _i32),
+        ("head_dim", _i32),
+        ("intermediate", _i32),
+        ("vocab", _i32),
+        ("sliding_window", _i32),
+        ("eps", ctypes.c_float),
+        ("embed", _ptr),
+        ("norm", _ptr),
+        ("rope_cos", _ptr),
+        ("rope_sin", _ptr),
+        ("lm_head", _Linear),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [
+        ("k", _ptr),
+        ("v", _ptr),
+        ("k_layer", ctypes.c_int64),
+        ("k_slot", ctypes.c_int64),
+        ("positions", ctypes.c_int64),
+        ("v_layer", ctypes.c_int64),
+        ("v_slot", ctypes.c_int64),
+    ]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i32),
+        ("width", _i32),
+        ("tokens", _ptr),
+        ("slot", ctypes.POINTER(_i32)),
+        ("start", ctypes.POINTER(_i32)),
+        ("count", ctypes.POINTER(_i32)),
+        ("last_only", _i32),
+        ("logits", _ptr),
+        ("num_captured", _i32),
+        ("captured_layers", ctypes.POINTER(_i32)),
+        ("captured", ctypes.POINTER(_ptr)),
+        ("threads", _i32),
+    ]
+
+
+def cache_dir() -> Path:
+    if os.environ.get("ADASPEC_CACHE_DIR"):
+        return Path(os.environ["ADASPEC_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "adaspec"
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_problem: str | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None (and `problem()` says why) where they cannot be."""
+    global _library, _problem
+    with _lock:
+        if _library is not None or _problem is not None:
+            return _library
+        if os.environ.get("ADASPEC_NATIVE", "1") == "0":
+            _problem = "disabled by ADASPEC_NATIVE=0"
+            return None
+        try:
+            _library = _load(_build())
+        except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+            _problem = str(err)
+            log.warning("the compiled CPU kernels are unavailable (%s); using PyTorch operators", err)
+        return _library
+
+
+def problem() -> str | None:
+    """Why `library()` is None, once it has been asked for."""
+    return _problem
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
+    target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed into place: a concurrent build never sees half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-400:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    # torch has loaded its libgomp already: the kernels link to the same one and share its threads.
+    lib = ctypes.CDLL(str(path))
+    lib.adaspec_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Batch)]
+    lib.adaspec_forward.restype = ctypes.c_int
+    return lib
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+
+
+def panels(weight: Tensor) -> Tensor:
+    """[n, k] -> [ceil(n / PANEL), k, PANEL]: each panel's PANEL output columns side by side."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight.detach().float()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _address(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class NativeForward:
+    """`Transformer.forward` for a float32 model on a CPU, through the compiled kernels.
+
+    Holds panel copies of the model's linear weights and the addresses of its other parameters:
+    the model drops it when its parameters move or are loaded (`Transformer._apply`)."""
+
+    def __init__(self, model: Transformer, lib: ctypes.CDLL) -> None:
+        config = model.config
+        self.lib = lib
+        self.config = config
+        self._keep: list[Tensor] = []  # everything the structures point into
+
+        def keep(tensor: Tensor | None) -> int | None:
+            if tensor is None:
+                return None
+            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+                raise ValueError("the compiled kernels need contiguous float32 parameters")
+            self._keep.append(tensor)
+            return tensor.data_ptr()
+
+        def linear(module: torch.nn.Linear) -> _Linear:
+            packed = panels(module.weight)
+            self._keep.append(packed)
+            return _Linear(packed.data_ptr(), keep(module.bias), module.out_features, module.in_features)
+
+        layers = (_Layer * config.num_layers)()
+        for i, block in enumerate(model.layers):
+            attention = block.self_attn
+            layers[i] = _Layer(
+                keep(block.input_layernorm.weight),
+                linear(attention.qkv),
+                keep(attention.q_norm.weight if attention.q_norm is not None else None),
+                keep(attention.k_norm.weight if attention.k_norm is not None else None),
+                linear(attention.o_proj),
+                keep(block.post_attention_layernorm.weight),
+                linear(block.mlp.gate_up),
+                linear(block.mlp.down_proj),
+            )
+        self._layers = layers
+        self.model = _Model(
+            config.num_layers,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+            config.sliding_window or 0,
+            config.rms_norm_eps,
+            keep(model.embed_tokens.weight),
+            keep(model.norm.weight),
+            keep(model.rope_cos),
+            keep(model.rope_sin),
+            linear(model.lm_head),
+            layers,
+        )
+        self._caches: weakref.WeakKeyDictionary[KVCache, _Cache] = weakref.WeakKeyDictionary()
+
+    def _cache(self, cache: KVCache) -> _Cache:
+        found = self._caches.get(cache)
+        if found is None:
+            k, v = cache.k, cache.v
+            if not cache.transposed_keys or k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("the compiled kernels need a float32 KV cache with transposed keys (model.new_cache)")
+            found = _Cache(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[-1], v.stride(0), v.stride(1))
+            self._caches[cache] = found
+        return found
+
+    def __call__(
+        self, batch: ForwardBatch, cache: KVCache, last_only: bool = False, capture: tuple[int, ...] | list[int] = ()
+    ) -> ForwardOutput:
+        from engine.model import ForwardOutput
+
+        counts = batch.num_new
+        rows, width = batch.tokens.shape
+        slots = batch.slot_list
+        meta = (_i32 * (3 * rows))(*slots, *[cache.lengths[s] for s in slots], *counts)
+        row_bytes = ctypes.sizeof(_i32) * rows
+        ragged = any(n != width for n in counts)
+        new = torch.zeros if ragged else torch.empty  # padded places stay zero, as the PyTorch path leaves them
+        vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
+        logits = torch.empty(rows, 1, vocab) if last_only else new(rows, width, vocab)
+        hidden = {layer: new(rows, width, hidden_size) for layer in capture}
+        layers = (_i32 * len(hidden))(*hidden)
+        addresses = (_ptr * len(hidden))(*[t.data_ptr() for t in hidden.values()])
+        tokens = batch.tokens if batch.tokens.is_contiguous() else batch.tokens.contiguous()
+        base = ctypes.addressof(meta)
+        call = _Batch(
+            rows,
+            width,
+            tokens.data_ptr(),
+            ctypes.cast(base, ctypes.POINTER(_i32)),
+            ctypes.cast(base + row_bytes, ctypes.POINTER(_i32)),
+            ctypes.cast(base + 2 * row_bytes, ctypes.POINTER(_i32)),
+            int(last_only),
+            logits.data_ptr(),
+            len(hidden),
+            layers,
+            addresses,
+            torch.get_num_threads(),
+        )
+        if self.lib.adaspec_forward(ctypes.byref(self.model), ctypes.byref(self._cache(cache)), ctypes.byref(call)):
+            raise MemoryError("the compiled forward could not allocate its activations")
+        for slot, n in zip(slots, counts):
+            cache.lengths[slot] += n
+        return ForwardOutput(logits=logits, hidden=hidden)
