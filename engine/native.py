@@ -153,7 +153,10 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise RuntimeError(f"the C compiler {compiler!r} does not run ({err})") from None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
     target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -30,13 +30,18 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[(f, path) for f in FAMILIES for path in ("compiled", "pytorch")], ids="-".join)
 def pair(request, tmp_path_factory):
-    settings = dict(FAMILIES[request.param])
+    """transformers' model and ours, on the compiled CPU forward (engine/native.py) or PyTorch's."""
+    name, forward = request.param
+    settings = dict(FAMILIES[name])
     family = settings.pop("family")
     reference = tiny_hf_model(family, **settings)
-    path = save_tiny(reference, tmp_path_factory.mktemp(request.param))
-    return reference, load_checkpoint(path)
+    path = save_tiny(reference, tmp_path_factory.mktemp(name))
+    checkpoint = load_checkpoint(path, native_forward=forward == "compiled")
+    if forward == "compiled" and checkpoint.model.native is None:
+        pytest.skip("no compiled CPU kernels here")
+    return reference, checkpoint
 
 
 def test_prefill_and_cached_decode_match_transformers(pair):

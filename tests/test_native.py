@@ -1,0 +1,102 @@
+"""The compiled CPU forward (engine/kernels.c): a token's logits are the same bits whatever shares its
+forward, the library is built once per machine, and without a compiler models fall back to PyTorch
+operators. Its agreement with transformers on every family is in tests/test_parity.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import native
+from engine.checkpoint import load_checkpoint
+from engine.model import ForwardBatch
+from tests.conftest import DEFAULT_TARGET, ROOT, save_tiny, tiny_hf_model
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.problem()}")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_checkpoint(DEFAULT_TARGET)
+
+
+def forward(model, cache, slots, tokens, **kwargs):
+    return model(ForwardBatch.build(cache, slots, tokens, model.config.sliding_window), cache, **kwargs)
+
+
+@torch.inference_mode()
+def test_a_verify_gives_the_logits_of_one_token_at_a_time_bit_for_bit(target):
+    model = target.model
+    assert model.native is not None
+    cache = model.new_cache(1, 256)
+    slot = cache.allocate()
+    prompt = list(range(10, 150))
+    forward(model, cache, [slot], [prompt], last_only=True)
+    drafts = [17, 400, 2, 3001, 77, 5]
+    verified = forward(model, cache, [slot], [drafts]).logits[0]
+    cache.truncate(slot, len(prompt))
+    one_by_one = torch.stack([forward(model, cache, [slot], [[token]]).logits[0, 0] for token in drafts])
+    assert torch.equal(verified, one_by_one)
+
+
+@torch.inference_mode()
+def test_a_rows_logits_do_not_depend_on_the_rest_of_its_batch(target):
+    model = target.model
+    prompts = [list(range(5, 5 + n)) for n in (90, 13, 200, 41)]
+    alone_cache, together_cache = model.new_cache(4, 512), model.new_cache(4, 512)
+    slots = [together_cache.allocate() for _ in prompts]
+    together = forward(model, together_cache, slots, prompts, last_only=True).logits
+    steps = [[3, 4, 5], [6], [7, 8, 9, 10, 11, 12, 13], [14, 15]]
+    together_step = forward(model, together_cache, slots, steps).logits
+    for row, (prompt, step) in enumerate(zip(prompts, steps)):
+        slot = alone_cache.allocate()
+        alone = forward(model, alone_cache, [slot], [prompt], last_only=True).logits
+        assert torch.equal(alone[0], together[row])
+        alone_step = forward(model, alone_cache, [slot], [step]).logits
+        assert torch.equal(alone_step[0], together_step[row, : len(step)])
+        assert not together_step[row, len(step) :].any()  # padded places stay zero
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_library_is_built_once_into_the_cache_directory(tmp_path):
+    code = "from engine import native; lib = native.library(); print(lib is not None, native.problem())"
+    first = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path))
+    assert first.stdout.split()[0] == "True", first.stderr
+    [built] = tmp_path.glob("kernels-*.so")
+    stamp = built.stat().st_mtime_ns
+    again = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path))
+    assert again.stdout.split()[0] == "True", again.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [built.name] and built.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("env", [{"CC": "false"}, {"ADASPEC_NATIVE": "0"}], ids=["no compiler", "disabled"])
+def test_without_the_kernels_models_run_on_pytorch_operators(tmp_path, env):
+    path = save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path / "tiny")
+    code = (
+        "from engine.checkpoint import load_checkpoint; from engine.generate import generate; "
+        "from engine.sampling import SamplingParams; "
+        f"c = load_checkpoint({str(path)!r}); "
+        "out = generate(c, [[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0)); "
+        "print(c.model.native is None, len(out[0].tokens))"
+    )
+    done = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path / "cache"), **env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "8"]
+    if "CC" in env:
+        assert "compiled CPU kernels are unavailable (the C compiler 'false' does not run" in done.stderr
+    assert not list(Path(tmp_path / "cache").glob("*.so"))
