@@ -176,11 +176,44 @@ static void linear(const float *x, int rows, const Linear *w, float *y, int64_t 
     }
 }
 
+static void silu_times(const float *gate, const float *up, int n, float *out);
+
+/* act[m] = silu(gate) * up for m < rows, where w's panels hold gate and up rows alternately
+ * (PANEL / 2 of each, engine/native.py `gate_up_panels`): each thread finishes its panels' share
+ * of act without a pass of its own over the product. */
+static void linear_glu(const float *x, int rows, const Linear *w, float *act, int inter) {
+    const int panels = (w->n + PANEL - 1) / PANEL, half = PANEL / 2;
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const float *panel = w->panels + (int64_t)p * w->k * PANEL;
+        const int n0 = p * half, columns = inter - n0 < half ? inter - n0 : half;
+        const float *bias = w->bias ? w->bias + (int64_t)p * PANEL : NULL;
+        for (int m0 = 0; m0 < rows; m0 += TILE_ROWS) {
+            const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
+            float products[TILE_ROWS][PANEL], *out[TILE_ROWS];
+            for (int m = 0; m < mr; m++) out[m] = products[m];
+            tile_rows(mr, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, PANEL, out, 0);
+            for (int m = 0; m < mr; m++) {
+                float glu[half];
+                silu_times(products[m], products[m] + half, half, glu);
+                memcpy(act + (int64_t)(m0 + m) * inter + n0, glu, sizeof(float) * (size_t)columns);
+            }
+        }
+    }
+}
+
+/* Every thread normalizes all `rows` of x into its own `out`: cheaper than a pass and a wait. */
+static void rms_norm_rows(const float *x, int rows, const float *weight, int n, float eps, float *out);
+
 static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
     float sum = 0.0f;
     for (int i = 0; i < n; i++) sum += x[i] * x[i];
     const float scale = 1.0f / sqrtf(sum / (float)n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
+}
+
+static void rms_norm_rows(const float *x, int rows, const float *weight, int n, float eps, float *out) {
+    for (int r = 0; r < rows; r++) rms_norm(x + (int64_t)r * n, weight, n, eps, out + (int64_t)r * n);
 }
 
 /* x * cos + rotate_half(x) * sin, in place on one head. */
@@ -294,8 +327,8 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     const int threads = b->threads > 0 ? b->threads : 1;
     const int64_t keys_padded = (int64_t)(longest + PANEL - 1) / PANEL * PANEL;
     const int64_t per_thread = TILE_ROWS * dim + TILE_ROWS * keys_padded + 2 * 16;
-    int64_t floats = (int64_t)tokens * (2 * hidden + qkv_size + q_size + 3 * inter) + (int64_t)outputs * hidden +
-                     threads * per_thread + 16 * 8;
+    const int64_t normed = (int64_t)(tokens > outputs ? tokens : outputs) * hidden + 16; /* per thread */
+    int64_t floats = (int64_t)tokens * (hidden + qkv_size + q_size + inter) + threads * (per_thread + normed) + 16 * 8;
     float *arena = malloc(sizeof(float) * (size_t)floats);
     int64_t *where = malloc(sizeof(int64_t) * (size_t)(3 * tokens + 2 * outputs + b->rows + 1));
     if (!arena || !where) {
@@ -304,10 +337,9 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         return -1;
     }
     float *next = arena;
-    float *x = take(&next, (int64_t)tokens * hidden), *h = take(&next, (int64_t)tokens * hidden);
-    float *qkv = take(&next, (int64_t)tokens * qkv_size), *attn = take(&next, (int64_t)tokens * q_size);
-    float *gate_up = take(&next, (int64_t)tokens * 2 * inter), *act = take(&next, (int64_t)tokens * inter);
-    float *last = take(&next, (int64_t)outputs * hidden), *attend_arena = next;
+    float *x = take(&next, (int64_t)tokens * hidden), *qkv = take(&next, (int64_t)tokens * qkv_size);
+    float *attn = take(&next, (int64_t)tokens * q_size), *act = take(&next, (int64_t)tokens * inter);
+    float *normed_arena = take(&next, threads * normed), *attend_arena = next;
 
     /* Per packed token: its place in the padded [rows, width] layout, its cache row, its position;
      * per output: the token whose logits it is, and its row of `logits`. */
@@ -333,6 +365,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     {
         float *mine = attend_arena + omp_get_thread_num() * per_thread;
         const AttendScratch my_scratch = {mine, mine + TILE_ROWS * dim + 16};
+        float *h = normed_arena + omp_get_thread_num() * normed;
 #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++)
             memcpy(x + (int64_t)t * hidden, m->embed + b->tokens[padded[t]] * hidden, sizeof(float) * (size_t)hidden);
@@ -340,9 +373,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         for (int l = 0; l < m->num_layers; l++) {
             const Layer *layer = &m->layers[l];
             float *k_cache = cache->k + l * cache->k_layer, *v_cache = cache->v + l * cache->v_layer;
-#pragma omp for schedule(static)
-            for (int t = 0; t < tokens; t++)
-                rms_norm(x + (int64_t)t * hidden, layer->input_norm, hidden, m->eps, h + (int64_t)t * hidden);
+            rms_norm_rows(x, tokens, layer->input_norm, hidden, m->eps, h);
             linear(h, tokens, &layer->qkv, qkv, qkv_size, NULL, 0);
 
             /* Queries and keys: norm (Qwen3) and rotate; keys and values go to the cache. */
@@ -372,16 +403,8 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
             }
             linear(attn, tokens, &layer->o_proj, x, hidden, NULL, 1);
 
-#pragma omp for schedule(static)
-            for (int t = 0; t < tokens; t++)
-                rms_norm(x + (int64_t)t * hidden, layer->post_norm, hidden, m->eps, h + (int64_t)t * hidden);
-            linear(h, tokens, &layer->gate_up, gate_up, 2 * inter, NULL, 0);
-#pragma omp for schedule(static)
-            for (int t = 0; t < tokens; t++) {
-                const float *gate = gate_up + (int64_t)t * 2 * inter, *up = gate + inter;
-                float *out = act + (int64_t)t * inter;
-                silu_times(gate, up, inter, out);
-            }
+            rms_norm_rows(x, tokens, layer->post_norm, hidden, m->eps, h);
+            linear_glu(h, tokens, &layer->gate_up, act, inter);
             linear(act, tokens, &layer->down, x, hidden, NULL, 1);
 
             for (int c = 0; c < b->num_captured; c++) {
@@ -392,10 +415,9 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
             }
         }
 
-#pragma omp for schedule(static)
         for (int s = 0; s < outputs; s++)
-            rms_norm(x + selected[s] * hidden, m->norm, hidden, m->eps, last + (int64_t)s * hidden);
-        linear(last, outputs, &m->lm_head, b->logits, m->vocab, out_row, 0);
+            rms_norm(x + selected[s] * hidden, m->norm, hidden, m->eps, h + (int64_t)s * hidden);
+        linear(h, outputs, &m->lm_head, b->logits, m->vocab, out_row, 0);
     }
     free(arena);
     free(where);

@@ -196,8 +196,19 @@ def panels(weight: Tensor) -> Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def _address(tensor: Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
+def gate_up_panels(weight: Tensor, bias: Tensor | None, inter: int) -> tuple[Tensor, Tensor | None]:
+    """The fused [gate; up] weight (and bias) with gate and up rows alternating PANEL / 2 at a time,
+    each half zero-padded to a multiple of PANEL / 2, so that each panel yields finished SiLU(gate) *
+    up columns (kernels.c `linear_glu`); returns the panels and the reordered bias."""
+    half = PANEL // 2
+    padded = -(-inter // half) * half
+
+    def interleave(t: Tensor) -> Tensor:
+        gate, up = torch.zeros(2, padded, *t.shape[1:], dtype=torch.float32)
+        gate[:inter], up[:inter] = t[:inter].detach().float(), t[inter:].detach().float()
+        return torch.stack((gate.view(-1, half, *t.shape[1:]), up.view(-1, half, *t.shape[1:])), 1).flatten(0, 2)
+
+    return panels(interleave(weight)), (interleave(bias).contiguous() if bias is not None else None)
 
 
 class NativeForward:
@@ -225,6 +236,11 @@ class NativeForward:
             self._keep.append(packed)
             return _Linear(packed.data_ptr(), keep(module.bias), module.out_features, module.in_features)
 
+        def gate_up(module: torch.nn.Linear) -> _Linear:
+            packed, bias = gate_up_panels(module.weight, module.bias, config.intermediate_size)
+            self._keep.append(packed)
+            return _Linear(packed.data_ptr(), keep(bias), packed.shape[0] * PANEL, module.in_features)
+
         layers = (_Layer * config.num_layers)()
         for i, block in enumerate(model.layers):
             attention = block.self_attn
@@ -235,7 +251,7 @@ class NativeForward:
                 keep(attention.k_norm.weight if attention.k_norm is not None else None),
                 linear(attention.o_proj),
                 keep(block.post_attention_layernorm.weight),
-                linear(block.mlp.gate_up),
+                gate_up(block.mlp.gate_up),
                 linear(block.mlp.down_proj),
             )
         self._layers = layers
