@@ -1,14 +1,10 @@
 """From the engine's tokens to the text a client sees, as it grows.
 
-The whole output is decoded again at every step rather than token by token: a character may
-span several byte-level tokens, and some decoders merge spaces across tokens, so only the whole
-decode is right. (The engine already decodes the whole output at every step when a request has
-stop strings, so this is a cost of the same size.)
-
-Stop strings follow OpenAI's semantics: the text ends just before the first stop string and
-does not include it. The engine stops at the token that completes a stop string, so the text is
-trimmed here; while streaming, a tail that might still grow into a stop string is held back
-until it either does (and is dropped) or cannot.
+Only new tokens are decoded each step (engine/detokenize.py). Stop strings follow OpenAI's
+semantics: the text ends just before the first stop string and does not include it. The engine
+stops at the token that completes a stop string, so the text is trimmed here; while streaming, a
+tail that might still grow into a stop string is held back until it either does (and is dropped)
+or cannot.
 """
 
 from __future__ import annotations
@@ -17,25 +13,21 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-# What a decoder makes of bytes that do not (yet) form a whole UTF-8 character.
-_INCOMPLETE = "\ufffd"
+from engine.detokenize import INCOMPLETE, OutputText
 
 
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
-        self._tokenizer = tokenizer
+        self._output = OutputText(tokenizer, stop)
         self._stop = tuple(stop)
-        self._tokens: list[int] = []
         self._sent = 0  # characters of `text` already handed out
         self.text = ""  # the output so far, trimmed at a stop string
 
     def push(self, tokens: Sequence[int], final: bool = False) -> str:
         """Add a step's tokens; return the text that may be sent now (everything when `final`)."""
-        self._tokens.extend(tokens)
-        text = self._tokenizer.decode(self._tokens)
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=None)
-        if cut is not None:
-            text, final = text[:cut], True
+        self._output.push(tokens, final)
+        text = self._output.text
+        final = final or self._output.stopped
         self.text = text
         end = len(text) if final else self._settled(text)
         piece = text[self._sent : end]
@@ -44,7 +36,7 @@ class TextStream:
 
     def _settled(self, text: str) -> int:
         """How much of `text` can no longer change: not an incomplete character, not a stop's prefix."""
-        end = len(text.rstrip(_INCOMPLETE))
+        end = len(text.rstrip(INCOMPLETE))
         held = 0
         for stop in self._stop:
             for size in range(min(len(stop) - 1, end), held, -1):

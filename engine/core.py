@@ -24,6 +24,7 @@ import torch
 
 from engine.backend import Backend, backend_for
 from engine.checkpoint import Checkpoint
+from engine.detokenize import OutputText
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
 from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
 from engine.model import ForwardBatch
@@ -392,8 +393,11 @@ class Engine:
             seq.output.append(token)
             seq.tokens.append(token)
             new.append(token)
-            text = self.target.tokenizer.decode(seq.output) if seq.params.stop else None
-            seq.finish_reason = finish_reason(seq.output, seq.params, eos, text)
+            if seq.params.stop:
+                if seq.text is None:
+                    seq.text = OutputText(self.target.tokenizer, seq.params.stop)
+                seq.text.push([token])
+            seq.finish_reason = finish_reason(seq.output, seq.params, eos, seq.text)
             if seq.finish_reason is not None:
                 break
         return new

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.detokenize import OutputText
 from engine.model import ForwardBatch
 from engine.request import finish_reason
 from engine.sampling import SamplingParams, next_token
@@ -41,6 +42,7 @@ def generate(
     generators = [sp.generator(checkpoint.device) for sp in all_params]
     outputs: list[list[int]] = [[] for _ in prompts]
     reasons: list[str | None] = [None] * len(prompts)
+    texts = [OutputText(tokenizer, sp.stop) if sp.stop else None for sp in all_params]
 
     active = list(range(len(prompts)))
     pending = [list(p) for p in prompts]  # tokens each sequence feeds next
@@ -53,7 +55,9 @@ def generate(
         for row, i in enumerate(active):
             token = next_token(logits[row], all_params[i], generators[i])
             outputs[i].append(token)
-            text = tokenizer.decode(outputs[i]) if all_params[i].stop else None
+            text = texts[i]
+            if text is not None:
+                text.push([token])
             reasons[i] = finish_reason(outputs[i], all_params[i], checkpoint.eos_token_ids, text)
             pending[i] = [token]
             if reasons[i] is None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.detokenize import OutputText
 from engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -20,11 +21,14 @@ class Request:
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 
-def finish_reason(tokens: Seq[int], params: SamplingParams, eos_ids: frozenset[int], text: str | None) -> str | None:
-    """Why a sequence whose output so far is `tokens` (decoded: `text`) must end, or None."""
+def finish_reason(
+    tokens: Seq[int], params: SamplingParams, eos_ids: frozenset[int], text: OutputText | None
+) -> str | None:
+    """Why a sequence whose output so far is `tokens` (as text: `text`, where it has stop
+    strings) must end, or None."""
     if tokens and not params.ignore_eos and tokens[-1] in eos_ids:
         return "stop"
-    if text is not None and any(stop in text for stop in params.stop):
+    if text is not None and text.stopped:
         return "stop"
     if len(tokens) >= params.max_tokens:
         return "length"
@@ -42,6 +46,7 @@ class Sequence:
     tokens: list[int]
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    text: OutputText | None = None  # the output as text, kept where there are stop strings to find
     draft_slot: int | None = None  # the drafter's own cache slot, if it has one
     # Drafts kept and judged in recent rounds, as sums that fade by `acceptance_decay` a round.
     # A new sequence starts from one judged draft, kept as often as the prior says.
