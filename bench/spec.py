@@ -31,6 +31,7 @@ at each moment.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -478,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     # Warm up kernels once so that the first mode is not charged for it.
     warm = build_controller("static:1", target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"])
     run_mode(warm, items[:1], target.tokenizer, 1)
+    gc.freeze()  # as the daemon does once loaded: collections then skip the objects of start-up
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     reports: dict[str, ModeReport] = {mode: ModeReport() for mode in modes}

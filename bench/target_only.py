@@ -2,9 +2,11 @@
 
     python -m bench.target_only [--model models/target] [--tokens 128] [--repeats 3]
 
-Both decode the same prompts greedily for exactly --tokens new tokens (EOS ignored), at batch 1
-and batch 4; runs alternate between the two so machine noise hits both alike. Prints tokens/s
-for each and the ratio adaspec / transformers.
+Every runner decodes the same prompts greedily for exactly --tokens new tokens (EOS ignored), at
+batch 1, 4 and 8; runs alternate between them so machine noise hits all alike. The runners:
+`generate` (engine.generate, the plain decode loop) and `engine` (the serving engine's round,
+Engine.step with k = 0) on the compiled CPU forward, `generate` on PyTorch operators, and
+transformers. Prints tokens/s for each and each one's ratio to transformers.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import time
 
 import torch
 
+from engine import native
 from engine.checkpoint import load_checkpoint
+from engine.core import Engine
 from engine.generate import generate
+from engine.request import Request
 from engine.sampling import SamplingParams
 
 PROMPTS = [
@@ -27,9 +32,16 @@ PROMPTS = [
 ]
 
 
-def run_adaspec(checkpoint, prompts: list[list[int]], tokens: int) -> int:
+def run_generate(checkpoint, prompts: list[list[int]], tokens: int) -> int:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     return sum(len(c.tokens) for c in generate(checkpoint, prompts, params))
+
+
+def run_engine(checkpoint, prompts: list[list[int]], tokens: int) -> int:
+    engine = Engine(checkpoint, None, len(prompts), max(map(len, prompts)) + tokens, [0], max_steps=0)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    outputs = engine.run_until_done(Request(tuple(p), params) for p in prompts)
+    return sum(len(o) for o in outputs.values())
 
 
 @torch.inference_mode()
@@ -60,27 +72,34 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     checkpoint = load_checkpoint(args.model)
+    operators = load_checkpoint(args.model, native_forward=False)
     reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     pad_id = min(checkpoint.eos_token_ids) if checkpoint.eos_token_ids else 0
-    encoded = [checkpoint.tokenizer.encode(p).ids for p in PROMPTS]
+    encoded = [checkpoint.tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids for i in range(8)]
     params = sum(p.numel() for p in checkpoint.model.parameters())
     threads = torch.get_num_threads()
-    print(f"model {args.model}: {params / 1e6:.1f}M parameters, {threads} threads, {args.tokens} new tokens")
-    print(f"{'batch':>5} {'adaspec tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}")
-    for batch in (1, 4):
+    forward = "compiled forward" if checkpoint.model.native is not None else f"no compiled forward: {native.problem()}"
+    print(f"model {args.model}: {params / 1e6:.1f}M parameters, {threads} threads, {args.tokens} new tokens, {forward}")
+    runners = {
+        "generate": lambda prompts, n: run_generate(checkpoint, prompts, n),
+        "engine k=0": lambda prompts, n: run_engine(checkpoint, prompts, n),
+        "generate (PyTorch ops)": lambda prompts, n: run_generate(operators, prompts, n),
+        "transformers": lambda prompts, n: run_transformers(reference, prompts, n, pad_id),
+    }
+    print(f"{'batch':>5} " + " ".join(f"{name:>24}" for name in runners) + "   (tok/s, x transformers)")
+    for batch in (1, 4, 8):
         prompts = encoded[:batch]
-        run_adaspec(checkpoint, prompts, 8)  # warm-up both
-        run_transformers(reference, prompts, 8, pad_id)
-        ours, theirs = [], []
+        rates: dict[str, list[float]] = {name: [] for name in runners}
+        for run in runners.values():
+            run(prompts, 8)  # warm-up
         for _ in range(args.repeats):
-            started = time.perf_counter()
-            n = run_adaspec(checkpoint, prompts, args.tokens)
-            ours.append(n / (time.perf_counter() - started))
-            started = time.perf_counter()
-            n = run_transformers(reference, prompts, args.tokens, pad_id)
-            theirs.append(n / (time.perf_counter() - started))
-        a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"{batch:>5} {a:>14.1f} {b:>19.1f} {a / b:>5.2f}x")
+            for name, run in runners.items():
+                started = time.perf_counter()
+                n = run(prompts, args.tokens)
+                rates[name].append(n / (time.perf_counter() - started))
+        medians = {name: statistics.median(r) for name, r in rates.items()}
+        base = medians["transformers"]
+        print(f"{batch:>5} " + " ".join(f"{f'{m:.1f} ({m / base:.2f}x)':>24}" for m in medians.values()))
 
 
 if __name__ == "__main__":
