@@ -1,10 +1,12 @@
-"""One forward of each shape a round uses, the compiled CPU forward against PyTorch operators.
+"""One forward of each shape a round uses: the compiled CPU forward against PyTorch operators.
 
     python -m bench.forward [--model models/target] [--repeats 5]
 
-Decode and verify at batch 1 and 8 after 300 cached tokens, and a 350-token prefill; the two
-forwards take turns shape by shape, repeat by repeat, so the machine's drift lands on both. Prints
-the median milliseconds of each and their ratio.
+Decode and verify at batch 1 and 8 after 300 cached tokens, and a 350-token prefill, on PyTorch
+operators (float32), the compiled forward with float32 weights and with bfloat16 weights (widened
+to float32 as they are read: half the bytes to stream, the same float32 arithmetic); the three
+take turns shape by shape, repeat by repeat, so the machine's drift lands on all. Prints the
+median milliseconds of each and the compiled forwards' speed-ups over PyTorch operators.
 """
 
 from __future__ import annotations
@@ -52,19 +54,23 @@ def main() -> None:
     parser.add_argument("--model", default="models/target")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    compiled = load_checkpoint(args.model).model
-    operators = load_checkpoint(args.model, native_forward=False).model
-    if compiled.native is None:
+    forwards = {
+        "PyTorch ops": load_checkpoint(args.model, native_forward=False).model,
+        "compiled": load_checkpoint(args.model).model,
+        "compiled bf16": load_checkpoint(args.model, dtype="bfloat16").model,
+    }
+    if forwards["compiled"].native is None:
         raise SystemExit(f"no compiled forward here: {native.problem()}")
     print(f"{args.model}, {torch.get_num_threads()} threads, median ms of {args.repeats} interleaved repeats")
-    print(f"{'forward':<28} {'PyTorch ops':>12} {'compiled':>9} {'ratio':>6}")
+    print(f"{'forward':<28} " + " ".join(f"{name:>14}" for name in forwards) + f" {'speed-ups':>14}")
     for name, rows, width, start, count in SHAPES:
-        ours, theirs = [], []
+        times: dict[str, list[float]] = {forward: [] for forward in forwards}
         for _ in range(args.repeats):
-            theirs.append(time_forward(operators, rows, width, start, count))
-            ours.append(time_forward(compiled, rows, width, start, count))
-        a, b = statistics.median(theirs), statistics.median(ours)
-        print(f"{name:<28} {a:>12.3f} {b:>9.3f} {a / b:>5.2f}x")
+            for forward, model in forwards.items():
+                times[forward].append(time_forward(model, rows, width, start, count))
+        medians = [statistics.median(t) for t in times.values()]
+        ratios = " / ".join(f"{medians[0] / m:.2f}x" for m in medians[1:])
+        print(f"{name:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {ratios:>14}")
 
 
 if __name__ == "__main__":

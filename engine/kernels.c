@@ -28,9 +28,10 @@ typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias
 /* A weight [n, k] stored as panels of PANEL output columns, each [k][PANEL] (the last one
  * zero-padded), so that a product streams it from memory exactly once in order. */
 typedef struct {
-    const float *panels;
-    const float *bias; /* [n] or NULL */
+    const void *panels; /* float32, or bfloat16 where `bf16` (widened to float32 as it is read) */
+    const float *bias;  /* [n] or NULL */
     int32_t n, k;
+    int32_t bf16;
 } Linear;
 
 typedef struct {
@@ -47,7 +48,8 @@ typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
     int32_t sliding_window; /* 0: none */
     float eps;
-    const float *embed;              /* [vocab, hidden] */
+    const void *embed;               /* [vocab, hidden], bfloat16 where `embed_bf16` */
+    int32_t embed_bf16;
     const float *norm;               /* [hidden] */
     const float *rope_cos, *rope_sin; /* [positions, head_dim]; sin with rotate-half's sign */
     Linear lm_head;
@@ -112,18 +114,29 @@ static inline vf vexp(vf x) {
     return p * (vf)bits;
 }
 
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2), may_alias));
+
+/* 16 bfloat16 values as float32: a bfloat16 is the top half of a float32's bits. */
+static inline vf widen(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vi) << 16); }
+
 /* rows x PANEL outputs: y[m][j] = sum_i x[m][i] * w[i][j] for i < k, where row i of w starts at
  * w + i * ldw; one multiply-add chain per output in i order, the same whatever `rows` is. */
 static inline __attribute__((always_inline)) void tile(
-    const int rows, int k, const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, int columns,
-    float *const *y, int accumulate) {
+    const int rows, const int bf16, int k, const float *x, int64_t ldx, const void *w, int64_t ldw, const float *bias,
+    int columns, float *const *y, int accumulate) {
     vf acc[TILE_ROWS][4];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};
     for (int i = 0; i < k; i++) {
-        const float *wi = w + (int64_t)i * ldw;
-        const vf w0 = *(const vf_unaligned *)wi, w1 = *(const vf_unaligned *)(wi + 16);
-        const vf w2 = *(const vf_unaligned *)(wi + 32), w3 = *(const vf_unaligned *)(wi + 48);
+        vf w0, w1, w2, w3;
+        if (bf16) {
+            const uint16_t *wi = (const uint16_t *)w + (int64_t)i * ldw;
+            w0 = widen(wi), w1 = widen(wi + 16), w2 = widen(wi + 32), w3 = widen(wi + 48);
+        } else {
+            const float *wi = (const float *)w + (int64_t)i * ldw;
+            w0 = *(const vf_unaligned *)wi, w1 = *(const vf_unaligned *)(wi + 16);
+            w2 = *(const vf_unaligned *)(wi + 32), w3 = *(const vf_unaligned *)(wi + 48);
+        }
 #pragma GCC unroll 8
         for (int m = 0; m < rows; m++) {
             const float xs = x[m * ldx + i];
@@ -143,27 +156,51 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* `tile` for 1 to TILE_ROWS rows, each count compiled with its accumulators in registers. */
-static void tile_rows(int rows, int k, const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias,
-                      int columns, float *const *y, int accumulate) {
-    switch (rows) {
-        case 1: tile(1, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
-        case 2: tile(2, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
-        case 3: tile(3, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
-        case 4: tile(4, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
-        case 5: tile(5, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
-        default: tile(6, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;
+#define TILE_CASES(BF16)                                                                                 \
+    switch (rows) {                                                                                      \
+        case 1: tile(1, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
+        case 2: tile(2, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
+        case 3: tile(3, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
+        case 4: tile(4, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
+        case 5: tile(5, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
+        default: tile(6, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                  \
     }
+
+/* `tile` for 1 to TILE_ROWS rows, each count compiled with its accumulators in registers. */
+static void tile_rows(int rows, int bf16, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
+                      const float *bias, int columns, float *const *y, int accumulate) {
+    if (bf16) {
+        TILE_CASES(1)
+    } else {
+        TILE_CASES(0)
+    }
+}
+
+/* Where panel p of w starts. */
+static const void *panel_at(const Linear *w, int p) {
+    return (const char *)w->panels + (int64_t)p * w->k * PANEL * (w->bf16 ? 2 : 4);
+}
+
+/* The panel to multiply by: a bfloat16 panel that serves more than three tiles is widened once
+ * into `widened` ([k][PANEL] float32, the thread's own), the same values a tile would widen. */
+static const void *panel_for(const Linear *w, int p, int rows, float *widened, int *bf16) {
+    const void *panel = panel_at(w, p);
+    *bf16 = w->bf16 && rows <= 3 * TILE_ROWS;
+    if (!w->bf16 || *bf16) return panel;
+    const uint16_t *in = panel;
+    for (int64_t i = 0; i < (int64_t)w->k * PANEL; i += 16) *(vf_unaligned *)(widened + i) = widen(in + i);
+    return widened;
 }
 
 /* y[m] (+)= x[m] @ w.T (+ bias) for m < rows; y_row(m) = y + (index ? index[m] : m) * ldy.
  * Called by every thread of the team: panels are shared out, and the team waits at the end. */
 static void linear(const float *x, int rows, const Linear *w, float *y, int64_t ldy, const int64_t *index,
-                   int accumulate) {
+                   int accumulate, float *widened) {
     const int panels = (w->n + PANEL - 1) / PANEL;
 #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
-        const float *panel = w->panels + (int64_t)p * w->k * PANEL;
+        int bf16;
+        const void *panel = panel_for(w, p, rows, widened, &bf16);
         const int n0 = p * PANEL;
         const int columns = w->n - n0 < PANEL ? w->n - n0 : PANEL;
         const float *bias = w->bias ? w->bias + n0 : NULL;
@@ -171,7 +208,7 @@ static void linear(const float *x, int rows, const Linear *w, float *y, int64_t 
             const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
             float *out[TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = y + (index ? index[m0 + m] : m0 + m) * ldy + n0;
-            tile_rows(mr, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, columns, out, accumulate);
+            tile_rows(mr, bf16, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, columns, out, accumulate);
         }
     }
 }
@@ -181,18 +218,19 @@ static void silu_times(const float *gate, const float *up, int n, float *out);
 /* act[m] = silu(gate) * up for m < rows, where w's panels hold gate and up rows alternately
  * (PANEL / 2 of each, engine/native.py `gate_up_panels`): each thread finishes its panels' share
  * of act without a pass of its own over the product. */
-static void linear_glu(const float *x, int rows, const Linear *w, float *act, int inter) {
+static void linear_glu(const float *x, int rows, const Linear *w, float *act, int inter, float *widened) {
     const int panels = (w->n + PANEL - 1) / PANEL, half = PANEL / 2;
 #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
-        const float *panel = w->panels + (int64_t)p * w->k * PANEL;
+        int bf16;
+        const void *panel = panel_for(w, p, rows, widened, &bf16);
         const int n0 = p * half, columns = inter - n0 < half ? inter - n0 : half;
         const float *bias = w->bias ? w->bias + (int64_t)p * PANEL : NULL;
         for (int m0 = 0; m0 < rows; m0 += TILE_ROWS) {
             const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
             float products[TILE_ROWS][PANEL], *out[TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = products[m];
-            tile_rows(mr, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, PANEL, out, 0);
+            tile_rows(mr, bf16, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, PANEL, out, 0);
             for (int m = 0; m < mr; m++) {
                 float glu[half];
                 silu_times(products[m], products[m] + half, half, glu);
@@ -278,7 +316,7 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
         }
         for (int b = 0; b <= last / PANEL; b++) {
             for (int r = 0; r < rows; r++) score_rows[r] = s->probs + r * ldp + b * PANEL;
-            tile_rows(rows, dim, s->queries, dim, keys + b * PANEL, positions, NULL, PANEL, score_rows, 0);
+            tile_rows(rows, 0, dim, s->queries, dim, keys + b * PANEL, positions, NULL, PANEL, score_rows, 0);
         }
         for (int r = 0; r < rows; r++) {
             const int pos = start + (q0 + r) / group;
@@ -289,7 +327,7 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
             float *rows_at[TILE_ROWS];
             for (int r = 0; r < rows; r++) rows_at[r] = out_rows[r] + d;
             const int columns = dim - d < PANEL ? dim - d : PANEL; /* reads past them land in the padding */
-            tile_rows(rows, last + 1, s->probs, ldp, values + d, value_stride, NULL, columns, rows_at, 0);
+            tile_rows(rows, 0, last + 1, s->probs, ldp, values + d, value_stride, NULL, columns, rows_at, 0);
         }
     }
 }
@@ -328,7 +366,9 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     const int64_t keys_padded = (int64_t)(longest + PANEL - 1) / PANEL * PANEL;
     const int64_t per_thread = TILE_ROWS * dim + TILE_ROWS * keys_padded + 2 * 16;
     const int64_t normed = (int64_t)(tokens > outputs ? tokens : outputs) * hidden + 16; /* per thread */
-    int64_t floats = (int64_t)tokens * (hidden + qkv_size + q_size + inter) + threads * (per_thread + normed) + 16 * 8;
+    const int64_t longest_k = hidden > inter ? (hidden > q_size ? hidden : q_size) : (inter > q_size ? inter : q_size);
+    const int64_t widest = longest_k * PANEL + 16; /* per thread: one widened panel */
+    int64_t floats = (int64_t)tokens * (hidden + qkv_size + q_size + inter) + threads * (per_thread + normed + widest) + 16 * 8;
     float *arena = malloc(sizeof(float) * (size_t)floats);
     int64_t *where = malloc(sizeof(int64_t) * (size_t)(3 * tokens + 2 * outputs + b->rows + 1));
     if (!arena || !where) {
@@ -339,7 +379,8 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     float *next = arena;
     float *x = take(&next, (int64_t)tokens * hidden), *qkv = take(&next, (int64_t)tokens * qkv_size);
     float *attn = take(&next, (int64_t)tokens * q_size), *act = take(&next, (int64_t)tokens * inter);
-    float *normed_arena = take(&next, threads * normed), *attend_arena = next;
+    float *normed_arena = take(&next, threads * normed), *widened_arena = take(&next, threads * widest);
+    float *attend_arena = next;
 
     /* Per packed token: its place in the padded [rows, width] layout, its cache row, its position;
      * per output: the token whose logits it is, and its row of `logits`. */
@@ -366,15 +407,27 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         float *mine = attend_arena + omp_get_thread_num() * per_thread;
         const AttendScratch my_scratch = {mine, mine + TILE_ROWS * dim + 16};
         float *h = normed_arena + omp_get_thread_num() * normed;
+        float *widened = widened_arena + omp_get_thread_num() * widest;
 #pragma omp for schedule(static)
-        for (int t = 0; t < tokens; t++)
-            memcpy(x + (int64_t)t * hidden, m->embed + b->tokens[padded[t]] * hidden, sizeof(float) * (size_t)hidden);
+        for (int t = 0; t < tokens; t++) {
+            const int64_t row = b->tokens[padded[t]] * hidden;
+            float *out = x + (int64_t)t * hidden;
+            if (m->embed_bf16) {
+                const uint16_t *in = (const uint16_t *)m->embed + row;
+                for (int i = 0; i < hidden; i++) {
+                    const uint32_t bits = (uint32_t)in[i] << 16;
+                    memcpy(out + i, &bits, sizeof(float));
+                }
+            } else {
+                memcpy(out, (const float *)m->embed + row, sizeof(float) * (size_t)hidden);
+            }
+        }
 
         for (int l = 0; l < m->num_layers; l++) {
             const Layer *layer = &m->layers[l];
             float *k_cache = cache->k + l * cache->k_layer, *v_cache = cache->v + l * cache->v_layer;
             rms_norm_rows(x, tokens, layer->input_norm, hidden, m->eps, h);
-            linear(h, tokens, &layer->qkv, qkv, qkv_size, NULL, 0);
+            linear(h, tokens, &layer->qkv, qkv, qkv_size, NULL, 0, widened);
 
             /* Queries and keys: norm (Qwen3) and rotate; keys and values go to the cache. */
 #pragma omp for schedule(static)
@@ -401,11 +454,11 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
                            attn + row_first[r] * q_size, q_size, &my_scratch);
                 }
             }
-            linear(attn, tokens, &layer->o_proj, x, hidden, NULL, 1);
+            linear(attn, tokens, &layer->o_proj, x, hidden, NULL, 1, widened);
 
             rms_norm_rows(x, tokens, layer->post_norm, hidden, m->eps, h);
-            linear_glu(h, tokens, &layer->gate_up, act, inter);
-            linear(act, tokens, &layer->down, x, hidden, NULL, 1);
+            linear_glu(h, tokens, &layer->gate_up, act, inter, widened);
+            linear(act, tokens, &layer->down, x, hidden, NULL, 1, widened);
 
             for (int c = 0; c < b->num_captured; c++) {
                 if (b->captured_layers[c] != l) continue;
@@ -417,7 +470,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
 
         for (int s = 0; s < outputs; s++)
             rms_norm(x + selected[s] * hidden, m->norm, hidden, m->eps, h + (int64_t)s * hidden);
-        linear(h, outputs, &m->lm_head, b->logits, m->vocab, out_row, 0);
+        linear(h, outputs, &m->lm_head, b->logits, m->vocab, out_row, 0, widened);
     }
     free(arena);
     free(where);

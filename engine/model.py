@@ -398,8 +398,8 @@ class Transformer(nn.Module):
 
     def use_native(self) -> bool:
         """Run every forward through the compiled CPU kernels (engine/native.py) where they can
-        serve this model: float32 on a CPU, with a C compiler. Moving or loading the parameters
-        afterwards turns them off again. Returns whether they are on."""
+        serve this model: float32 or bfloat16 weights on a CPU, with a C compiler. Moving or
+        loading the parameters afterwards turns them off again. Returns whether they are on."""
         weight = self.embed_tokens.weight
         if self.native is None and native.available(weight.device, weight.dtype):
             lib = native.library()
@@ -484,7 +484,7 @@ class Transformer(nn.Module):
             max_seq_len,
             self.config.num_kv_heads,
             self.config.head_dim,
-            dtype=param.dtype,
+            dtype=torch.float32 if self.native is not None else param.dtype,  # the kernels' activations
             device=param.device,
             transposed_keys=self.native is not None,
         )

@@ -40,7 +40,7 @@ _ptr = ctypes.c_void_p
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("panels", _ptr), ("bias", _ptr), ("n", _i32), ("k", _i32)]
+    _fields_ = [("panels", _ptr), ("bias", _ptr), ("n", _i32), ("k", _i32), ("bf16", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -68,6 +68,7 @@ class _Model(ctypes.Structure):
         ("sliding_window", _i32),
         ("eps", ctypes.c_float),
         ("embed", _ptr),
+        ("embed_bf16", _i32),
         ("norm", _ptr),
         ("rope_cos", _ptr),
         ("rope_sin", _ptr),
@@ -185,14 +186,15 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and library() is not None
 
 
 def panels(weight: Tensor) -> Tensor:
-    """[n, k] -> [ceil(n / PANEL), k, PANEL]: each panel's PANEL output columns side by side."""
+    """[n, k] -> [ceil(n / PANEL), k, PANEL]: each panel's PANEL output columns side by side, in
+    the weight's dtype (bfloat16 stays bfloat16: the kernels widen it as they read it)."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
-    padded[:n] = weight.detach().float()
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight.detach()
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
@@ -204,18 +206,20 @@ def gate_up_panels(weight: Tensor, bias: Tensor | None, inter: int) -> tuple[Ten
     padded = -(-inter // half) * half
 
     def interleave(t: Tensor) -> Tensor:
-        gate, up = torch.zeros(2, padded, *t.shape[1:], dtype=torch.float32)
-        gate[:inter], up[:inter] = t[:inter].detach().float(), t[inter:].detach().float()
+        gate, up = torch.zeros(2, padded, *t.shape[1:], dtype=t.dtype)
+        gate[:inter], up[:inter] = t[:inter].detach(), t[inter:].detach()
         return torch.stack((gate.view(-1, half, *t.shape[1:]), up.view(-1, half, *t.shape[1:])), 1).flatten(0, 2)
 
-    return panels(interleave(weight)), (interleave(bias).contiguous() if bias is not None else None)
+    return panels(interleave(weight)), (interleave(bias).float().contiguous() if bias is not None else None)
 
 
 class NativeForward:
-    """`Transformer.forward` for a float32 model on a CPU, through the compiled kernels.
+    """`Transformer.forward` for a float32 or bfloat16 model on a CPU, through the compiled kernels.
 
-    Holds panel copies of the model's linear weights and the addresses of its other parameters:
-    the model drops it when its parameters move or are loaded (`Transformer._apply`)."""
+    Holds panel copies of the model's linear weights and the addresses of its other parameters
+    (float32 copies of a bfloat16 model's small ones: activations are float32 either way, and a
+    bfloat16 model's weights are widened as they are read): the model drops it when its parameters
+    move or are loaded (`Transformer._apply`)."""
 
     def __init__(self, model: Transformer, lib: ctypes.CDLL) -> None:
         config = model.config
@@ -223,23 +227,24 @@ class NativeForward:
         self.config = config
         self._keep: list[Tensor] = []  # everything the structures point into
 
-        def keep(tensor: Tensor | None) -> int | None:
+        bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
+
+        def keep(tensor: Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
             if tensor is None:
                 return None
-            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-                raise ValueError("the compiled kernels need contiguous float32 parameters")
+            tensor = tensor.detach().to(dtype).contiguous()
             self._keep.append(tensor)
             return tensor.data_ptr()
 
         def linear(module: torch.nn.Linear) -> _Linear:
             packed = panels(module.weight)
             self._keep.append(packed)
-            return _Linear(packed.data_ptr(), keep(module.bias), module.out_features, module.in_features)
+            return _Linear(packed.data_ptr(), keep(module.bias), module.out_features, module.in_features, bf16)
 
         def gate_up(module: torch.nn.Linear) -> _Linear:
             packed, bias = gate_up_panels(module.weight, module.bias, config.intermediate_size)
             self._keep.append(packed)
-            return _Linear(packed.data_ptr(), keep(bias), packed.shape[0] * PANEL, module.in_features)
+            return _Linear(packed.data_ptr(), keep(bias), packed.shape[0] * PANEL, module.in_features, bf16)
 
         layers = (_Layer * config.num_layers)()
         for i, block in enumerate(model.layers):
@@ -265,7 +270,8 @@ class NativeForward:
             config.vocab_size,
             config.sliding_window or 0,
             config.rms_norm_eps,
-            keep(model.embed_tokens.weight),
+            keep(model.embed_tokens.weight, model.embed_tokens.weight.dtype),
+            bf16,
             keep(model.norm.weight),
             keep(model.rope_cos),
             keep(model.rope_sin),

@@ -92,11 +92,15 @@ def test_save_then_load_round_trips_in_bf16(tmp_path, tiny_dir):
     torch.testing.assert_close(logits_of(copy, [3, 4]), logits_of(checkpoint, [3, 4]), atol=0.05, rtol=0.05)
 
 
-def test_the_model_runs_in_the_dtype_asked_for(tiny_dir):
-    bf16 = load_checkpoint(tiny_dir, dtype="bfloat16")
+@pytest.mark.parametrize("native_forward", [True, False], ids=["compiled", "pytorch"])
+def test_the_model_runs_in_the_dtype_asked_for(tiny_dir, native_forward):
+    bf16 = load_checkpoint(tiny_dir, dtype="bfloat16", native_forward=native_forward)
     assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     logits = logits_of(bf16, [3, 4, 5])
-    assert logits.dtype == torch.bfloat16
+    # The compiled forward widens bfloat16 weights and computes in float32; PyTorch's in bfloat16.
+    compiled = bf16.model.native is not None
+    assert compiled == (native_forward and native.library() is not None)
+    assert logits.dtype == (torch.float32 if compiled else torch.bfloat16)
     torch.testing.assert_close(logits.float(), logits_of(load_checkpoint(tiny_dir), [3, 4, 5]), atol=0.05, rtol=0.05)
 
 

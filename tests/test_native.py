@@ -62,6 +62,26 @@ def test_a_rows_logits_do_not_depend_on_the_rest_of_its_batch(target):
         assert not together_step[row, len(step) :].any()  # padded places stay zero
 
 
+@torch.inference_mode()
+def test_bfloat16_weights_serve_the_same_logits_at_half_the_bytes(target):
+    """The default models are stored in bfloat16: widened as they are read, they give the float32
+    forward's logits but for the order of additions, and a verify is still exact."""
+    served = load_checkpoint(DEFAULT_TARGET, dtype="bfloat16")
+    model = served.model
+    assert model.native is not None and model.embed_tokens.weight.dtype == torch.bfloat16
+    prompt, drafts = list(range(40, 200)), [9, 8, 7, 6]
+    caches = [m.new_cache(1, 256) for m in (target.model, model)]
+    for cache in caches:
+        cache.allocate()
+    logits = [forward(m, c, [0], [prompt + drafts]).logits[0] for m, c in zip((target.model, model), caches)]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
+    cache = caches[1]
+    cache.truncate(0, len(prompt))
+    verified = forward(model, cache, [0], [drafts]).logits[0]
+    cache.truncate(0, len(prompt))
+    assert torch.equal(verified, torch.stack([forward(model, cache, [0], [[t]]).logits[0, 0] for t in drafts]))
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code],
