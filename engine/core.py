@@ -27,7 +27,6 @@ from engine.checkpoint import Checkpoint
 from engine.detokenize import OutputText
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
 from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
-from engine.model import ForwardBatch
 from engine.policy import DraftRecord, KeepDrafting, VerifyCurve
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
@@ -200,7 +199,7 @@ class Engine:
             for slot in slots:
                 scratch.lengths[slot] = 0
             tokens = [[0] * (k + 1)] * batch_size
-            self.model(ForwardBatch.build(scratch, slots, tokens, self.model.config.sliding_window), scratch)
+            self.model(self.model.batch(scratch, slots, tokens), scratch)
 
     @torch.inference_mode()
     def measure_verify_curve(self, widest: int = 9, context: int = 256, repeats: int = 5) -> VerifyCurve | None:
@@ -226,7 +225,7 @@ class Engine:
                     scratch.lengths[slot] = context
                 batch_tokens = [[0] * width for width in shapes[n]]
                 started = time.perf_counter()
-                self.model(ForwardBatch.build(scratch, slots, batch_tokens, self.model.config.sliding_window), scratch)
+                self.model(self.model.batch(scratch, slots, batch_tokens), scratch)
                 self.backend.synchronize()
                 timings[n].append(time.perf_counter() - started)
         self.verify_curve = VerifyCurve(batch, {n: statistics.median(t) for n, t in timings.items()})
@@ -338,7 +337,7 @@ class Engine:
         if state is not None and state.graphs is not None:
             out = state.graphs.run(ForwardMode.VERIFY, slots, tokens, capture)
         if out is None:
-            batch = ForwardBatch.build(self.cache, slots, tokens, self.model.config.sliding_window)
+            batch = self.model.batch(self.cache, slots, tokens)
             out = self.model(batch, self.cache, capture=capture)
         return verify(out.logits, seqs, proposals, self.verification), out.hidden
 
@@ -421,9 +420,7 @@ class Engine:
             admitted.append(seq)
         if not admitted:
             return
-        batch = ForwardBatch.build(
-            self.cache, [s.slot for s in admitted], [s.tokens for s in admitted], self.model.config.sliding_window
-        )
+        batch = self.model.batch(self.cache, [s.slot for s in admitted], [s.tokens for s in admitted])
         logits = self.model(batch, self.cache, last_only=True).logits[:, -1]
         for row, seq in enumerate(admitted):
             new = self._append(seq, [next_token(logits[row], seq.params, seq.generator)])

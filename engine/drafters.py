@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from engine.checkpoint import Checkpoint
 from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
-from engine.model import ForwardBatch, Transformer
+from engine.model import Transformer
 from engine.policy import KeepDrafting
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
@@ -135,7 +135,7 @@ class DraftModelDrafter:
         tokens = [t for _, t in rows]
         out = self.graphs.run(mode, slots, tokens) if self.graphs is not None else None
         if out is None:
-            batch = ForwardBatch.build(self.cache, slots, tokens, self.model.config.sliding_window)
+            batch = self.model.batch(self.cache, slots, tokens)
             out = self.model(batch, self.cache, last_only=True)
         return out.logits[:, -1]
 

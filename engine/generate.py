@@ -15,7 +15,6 @@ import torch
 
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.detokenize import OutputText
-from engine.model import ForwardBatch
 from engine.request import finish_reason
 from engine.sampling import SamplingParams, next_token
 
@@ -47,9 +46,7 @@ def generate(
     active = list(range(len(prompts)))
     pending = [list(p) for p in prompts]  # tokens each sequence feeds next
     while active:
-        batch = ForwardBatch.build(
-            cache, [slots[i] for i in active], [pending[i] for i in active], model.config.sliding_window
-        )
+        batch = model.batch(cache, [slots[i] for i in active], [pending[i] for i in active])
         logits = model(batch, cache, last_only=True).logits[:, -1]
         still = []
         for row, i in enumerate(active):

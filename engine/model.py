@@ -45,6 +45,32 @@ ROW_OVERHEAD_PAIRS = 1200
 PACK_MIN_PADDING = 3
 
 
+def check_fits(cache: KVCache, slots: Sequence[int], num_new: Sequence[int]) -> list[int]:
+    """Each slot's cached length, once every row brings a token and fits in the cache."""
+    starts = [cache.lengths[s] for s in slots]
+    for slot, start, n in zip(slots, starts, num_new):
+        if n == 0:
+            raise ValueError(f"slot {slot}: a forward needs at least one new token")
+        if start + n > cache.max_seq_len:
+            raise ValueError(f"slot {slot}: {start} + {n} tokens exceed max_seq_len {cache.max_seq_len}")
+    return starts
+
+
+@dataclass
+class TokenBatch:
+    """Each row's new tokens and its cache slot, and nothing derived from them: all the compiled
+    CPU forward reads (engine/native.py), built for a few microseconds where a `ForwardBatch`
+    takes tens. `Transformer.batch` gives one to a compiled model."""
+
+    slots: list[int]
+    new_tokens: Sequence[Sequence[int]]
+
+    @classmethod
+    def build(cls, cache: KVCache, slots: Sequence[int], new_tokens: Sequence[Sequence[int]]) -> TokenBatch:
+        check_fits(cache, slots, [len(t) for t in new_tokens])
+        return cls(list(slots), new_tokens)
+
+
 @dataclass
 class ForwardBatch:
     """Where each new token goes: built on the host once per forward by `ForwardBatch.build`."""
@@ -105,12 +131,7 @@ class ForwardBatch:
         device = cache.k.device
         num_new = [len(t) for t in new_tokens]
         width = max(num_new)
-        starts = [cache.lengths[s] for s in slots]
-        for slot, start, n in zip(slots, starts, num_new):
-            if n == 0:
-                raise ValueError(f"slot {slot}: a forward needs at least one new token")
-            if start + n > cache.max_seq_len:
-                raise ValueError(f"slot {slot}: {start} + {n} tokens exceed max_seq_len {cache.max_seq_len}")
+        starts = check_fits(cache, slots, num_new)
         # Built as host lists and turned into one tensor each: a decode step's batch is a few
         # numbers, and every tensor op spent on it costs about a microsecond.
         kv_len = max(s + n for s, n in zip(starts, num_new))
@@ -184,6 +205,10 @@ class ForwardBatch:
             rows.append(AttentionRow(slot, first, n, start + n, mask))
             first += n
         return rows
+
+
+# What a forward takes: the compiled one reads either, PyTorch operators a ForwardBatch.
+Batch = TokenBatch | ForwardBatch
 
 
 def visible_keys(query_pos: Tensor, key_pos: Tensor, sliding_window: int | None) -> Tensor:
@@ -415,9 +440,15 @@ class Transformer(nn.Module):
         self.native = None
         super()._load_from_state_dict(*args, **kwargs)
 
+    def batch(self, cache: KVCache, slots: Sequence[int], new_tokens: Sequence[Sequence[int]]) -> Batch:
+        """The batch appending `new_tokens[i]` to cache slot `slots[i]`, as this model's forward reads it."""
+        if self.native is not None:
+            return TokenBatch.build(cache, slots, new_tokens)
+        return ForwardBatch.build(cache, slots, new_tokens, self.config.sliding_window)
+
     def forward(
         self,
-        batch: ForwardBatch,
+        batch: Batch,
         cache: KVCache,
         last_only: bool = False,
         capture: Sequence[int] = (),
@@ -425,6 +456,8 @@ class Transformer(nn.Module):
         """Run the new tokens of `batch`, appending them to `cache`, and return their logits."""
         if self.native is not None:
             return self.native(batch, cache, last_only, tuple(capture))
+        if isinstance(batch, TokenBatch):
+            batch = ForwardBatch.build(cache, batch.slots, batch.new_tokens, self.config.sliding_window)
         x, hidden = self.run_layers(batch, cache, capture)
         if last_only and batch.real is not None:  # x is packed: each sequence's last real token
             last = torch.tensor(list(itertools.accumulate(batch.num_new)), device=x.device) - 1

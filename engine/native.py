@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -27,7 +28,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
-    from engine.model import ForwardBatch, ForwardOutput, Transformer
+    from engine.model import Batch, ForwardOutput, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -291,13 +292,21 @@ class NativeForward:
         return found
 
     def __call__(
-        self, batch: ForwardBatch, cache: KVCache, last_only: bool = False, capture: tuple[int, ...] | list[int] = ()
+        self, batch: Batch, cache: KVCache, last_only: bool = False, capture: tuple[int, ...] | list[int] = ()
     ) -> ForwardOutput:
-        from engine.model import ForwardOutput
+        from engine.model import ForwardOutput, TokenBatch
 
-        counts = batch.num_new
-        rows, width = batch.tokens.shape
-        slots = batch.slot_list
+        if isinstance(batch, TokenBatch):
+            slots, counts = batch.slots, [len(t) for t in batch.new_tokens]
+            rows, width = len(slots), max(counts)
+            padded = itertools.chain.from_iterable([*t, *[0] * (width - len(t))] for t in batch.new_tokens)
+            tokens: ctypes.Array | Tensor = (ctypes.c_int64 * (rows * width))(*padded)  # held until the call returns
+            tokens_address = ctypes.addressof(tokens)
+        else:
+            slots, counts = batch.slot_list, batch.num_new
+            rows, width = batch.tokens.shape
+            tokens = batch.tokens.contiguous()
+            tokens_address = tokens.data_ptr()
         meta = (_i32 * (3 * rows))(*slots, *[cache.lengths[s] for s in slots], *counts)
         row_bytes = ctypes.sizeof(_i32) * rows
         ragged = any(n != width for n in counts)
@@ -307,12 +316,11 @@ class NativeForward:
         hidden = {layer: new(rows, width, hidden_size) for layer in capture}
         layers = (_i32 * len(hidden))(*hidden)
         addresses = (_ptr * len(hidden))(*[t.data_ptr() for t in hidden.values()])
-        tokens = batch.tokens if batch.tokens.is_contiguous() else batch.tokens.contiguous()
         base = ctypes.addressof(meta)
         call = _Batch(
             rows,
             width,
-            tokens.data_ptr(),
+            tokens_address,
             ctypes.cast(base, ctypes.POINTER(_i32)),
             ctypes.cast(base + row_bytes, ctypes.POINTER(_i32)),
             ctypes.cast(base + 2 * row_bytes, ctypes.POINTER(_i32)),

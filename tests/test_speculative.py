@@ -19,7 +19,7 @@ from engine.generate import generate
 from engine.model import ForwardBatch
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams, target_probs
-from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model
+from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model, tiny_pair
 
 STEPS = (0, 1, 2, 3, 5, 7)
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 9, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 8, 9], [20, 21]]
@@ -292,13 +292,20 @@ def test_bad_requests_are_refused_with_a_reason(pair):
         engine.build_state(3)
 
 
+@pytest.fixture(scope="module")
+def operator_pair(tmp_path_factory):
+    """The tiny pair on PyTorch operators, whose ragged batches may attend a row at a time."""
+    return tiny_pair(tmp_path_factory.mktemp("operators"), native_forward=False)
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "hybrid"])
-@pytest.mark.parametrize("attention", ["as_estimated", "by_row"])
-def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, kind, attention, monkeypatch):
+@pytest.mark.parametrize("attention", ["compiled", "as_estimated", "by_row"])
+def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, operator_pair, kind, attention, monkeypatch):
     """The cutoff ends a round's drafting on the drafter's own confidence, and a looked-up chain
-    part of the way: fewer drafts, same text, whether the ragged verifies attend padded or a row
-    at a time (short contexts stay padded unless told otherwise)."""
-    target, draft = pair
+    part of the way: fewer drafts, same text, on the compiled forward and on PyTorch operators,
+    whether their ragged verifies attend padded or a row at a time (short contexts stay padded
+    unless told otherwise)."""
+    target, draft = pair if attention == "compiled" else operator_pair
     by_row_batches = []
 
     def rows_always_cheaper(*_: object) -> bool:
