@@ -1,0 +1,166 @@
+"""Every workload of the suite, every mode side by side, and how adapting k compares overall.
+
+    python -m bench.suite [--split heldout] [--concurrency 1,4] [--config config.toml]
+        [--modes none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:goodput]
+        [--repeats 1] [--json OUT] [--plots DIR]
+
+Runs each workload of bench/workloads/suite/ (NAME.SPLIT.jsonl; --split tune, heldout or all)
+at each concurrency as `python -m bench.spec` does: all modes on the same loaded models, taking
+turns a round at a time. Prints each workload's table, then per concurrency the two summary
+figures, geometric means over the workloads, for each adaptive mode:
+
+- against the best single static k over the suite: the static mode (`none` counts as k = 0)
+  whose geometric mean over the workloads is highest, the one k a user who must pick one sets;
+- against the best static k of each workload, chosen in hindsight, and the worst workload.
+
+Choose nothing by looking at the held-out half (bench/workloads/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from bench.spec import (
+    ModeReport,
+    ModeRun,
+    bench_settings,
+    build_controller,
+    plot,
+    print_table,
+    read_workload,
+    run_side_by_side,
+)
+from engine.checkpoint import load_checkpoint
+from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
+
+SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
+MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:goodput"
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def is_static(mode: str) -> bool:
+    return mode == "none" or mode.startswith("static:")
+
+
+def summarize(rates: dict[str, dict[str, float]]) -> dict:
+    """rates[workload][mode] in tokens/s -> the suite's summary figures for every adaptive mode."""
+    workloads = sorted(rates)
+    modes = list(rates[workloads[0]])
+    statics = [m for m in modes if is_static(m)]
+    single = max(statics, key=lambda m: geomean([rates[w][m] for w in workloads]))
+    summary: dict = {"best_single_static": single, "adaptive": {}}
+    for mode in (m for m in modes if not is_static(m)):
+        per_workload = {w: rates[w][mode] / max(rates[w][s] for s in statics) for w in workloads}
+        worst = min(per_workload, key=per_workload.__getitem__)
+        summary["adaptive"][mode] = {
+            "vs_best_single_static": geomean([rates[w][mode] / rates[w][single] for w in workloads]),
+            "vs_best_static_per_workload": geomean(list(per_workload.values())),
+            "worst_workload": worst,
+            "worst_vs_its_best_static": per_workload[worst],
+            "per_workload": per_workload,
+        }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", choices=["tune", "heldout", "all"], default="heldout")
+    parser.add_argument("--workloads", type=Path, default=SUITE, help="a folder of NAME.SPLIT.jsonl files")
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--modes", default=MODES)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--draft", default=None)
+    parser.add_argument("--drafter", choices=["draft_model", "hybrid", "ngram"], default=None)
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plots", type=Path, default=None, help="a folder for one k-and-throughput plot a run")
+    args = parser.parse_args(argv)
+
+    pattern = "*.jsonl" if args.split == "all" else f"*.{args.split}.jsonl"
+    files = sorted(args.workloads.glob(pattern))
+    if not files:
+        raise SystemExit(f"{args.workloads}: no {pattern} workloads")
+    settings = bench_settings(args)
+    target = load_checkpoint(settings["target"])
+    kind = settings["drafter"]
+    draft = load_checkpoint(settings["draft"]) if kind in DRAFT_MODEL_KINDS else None
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.plots:
+        args.plots.mkdir(parents=True, exist_ok=True)
+
+    results: dict = {"split": args.split, "modes": modes, "concurrency": {}}
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+
+        def drafter_factory(concurrency: int = concurrency) -> Drafter | None:
+            return make_drafter(
+                kind,
+                draft,
+                concurrency,
+                args.max_seq_len,
+                quantize=settings["draft_quantization"] == "int8",
+                ngram_min=settings["ngram_min"],
+                ngram_max=settings["ngram_max"],
+                lookup_history=settings["lookup_history"],
+            )
+
+        rates: dict[str, dict[str, float]] = {}
+        tables: dict[str, dict] = {}
+        for path in files:
+            name = path.name.removesuffix(".jsonl")
+            items = read_workload(path)
+            reports = {mode: ModeReport() for mode in modes}
+            for _ in range(args.repeats):
+                runs = {
+                    mode: ModeRun(
+                        build_controller(
+                            mode,
+                            target,
+                            drafter_factory,
+                            concurrency,
+                            args.max_seq_len,
+                            settings["policy"],
+                            settings["verification"],
+                        ),
+                        items,
+                        target.tokenizer,
+                        concurrency,
+                    )
+                    for mode in modes
+                }
+                run_side_by_side(list(runs.values()))
+                for mode, run in runs.items():
+                    reports[mode].merge(run.report)
+            print(f"\n== {name}, concurrency {concurrency} ({len(items)} requests)")
+            print_table(reports)
+            sys.stdout.flush()
+            rates[name] = {mode: r.tokens / r.seconds for mode, r in reports.items()}
+            tables[name] = {mode: r.as_json() for mode, r in reports.items()}
+            if args.plots:
+                out = args.plots / f"{name}.c{concurrency}.png"
+                plot(reports, out, window=max(1.0, max(r.seconds for r in reports.values()) / 40))
+        summary = summarize(rates)
+        results["concurrency"][str(concurrency)] = {"workloads": tables, "tokens_per_s": rates, "summary": summary}
+        print(
+            f"\n== suite ({args.split}), concurrency {concurrency}: best single static {summary['best_single_static']}"
+        )
+        for mode, s in summary["adaptive"].items():
+            print(
+                f"  {mode}: {s['vs_best_single_static']:.3f}x the best single static k, "
+                f"{s['vs_best_static_per_workload']:.3f}x each workload's best static k "
+                f"(worst: {s['worst_workload']} {s['worst_vs_its_best_static']:.3f}x)"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
