@@ -16,6 +16,8 @@ applies its decisions between rounds.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
@@ -562,6 +564,14 @@ class LookupCalibration:
             rates[j] += self.alpha * ((1.0 if j < accepted else 0.0) - rates[j])
 
 
+# goodput with the cutoff: rounds a probe of plain decoding (k = 0) lasts; how far the spacing of
+# probes of the choice not taken backs off (probe_interval times 1, 2, 4, 8) while probes keep
+# losing; how many recent rounds the measured rates of drafting and not are the median of.
+ZERO_PROBE_ROUNDS = 3
+MAX_BACKOFF = 8
+ARM_ROUNDS = 8
+
+
 class GoodputPolicy:
     """Cost-aware: choose the k that maximises expected tokens per second.
 
@@ -607,6 +617,16 @@ class GoodputPolicy:
         self.batches = 0
         self.rounds_at_zero = 0
         self.last_goodput: dict[int, float] = {}
+        # By (drafted, batch size): tokens per second of the last ARM_ROUNDS rounds, and the round
+        # last seen. Whether to draft at all is decided on these measured rates where both are
+        # fresh (a cost model fitted on drafting rounds alone cannot price a round without), by
+        # their medians, which a few rounds stalled by another process do not move.
+        self.arms: dict[tuple[bool, int], tuple[deque[float], int]] = {}
+        self.rounds = 0
+        # The choice not taken is tried every probe_interval * backoff rounds; a probe that loses
+        # doubles the spacing, one that wins resets it. probe_from: the k a probe left.
+        self.backoff = 1
+        self.probe_from: int | None = None
 
     @property
     def steps(self) -> int:
@@ -661,6 +681,7 @@ class GoodputPolicy:
         self.costs.record(observation)
         self.batch_size = observation.batch_size
         self._measure_throughput(observation)
+        self._measure_arm(observation)
         for chain, proposed, accepted in zip(observation.chains, observation.proposed, observation.accepted):
             if chain.looked_up:
                 self.lookups.learn(chain.match, proposed, accepted)
@@ -668,11 +689,13 @@ class GoodputPolicy:
                 self.calibration[chain.sampled].learn(chain.confidence, accepted, chain.acceptance)
         if self._steps == 0:
             self.rounds_at_zero += 1
-            if self.rounds_at_zero >= self.params.probe_interval and len(self.candidates) > 1:
+            if self.rounds_at_zero >= self._probe_spacing and len(self.candidates) > 1:
                 self.rounds_at_zero = 0
                 # Decide again after one interval of probing (the warm-up was done long ago).
                 self.batches = self.params.warmup_batches
                 self._steps = self._speculating_steps(self.candidates[1])
+                if self.probe_from is None:
+                    self.probe_from = 0
                 return Decision(self._steps, "probe", self.ema)
             return None
         self._learn(observation)
@@ -680,7 +703,42 @@ class GoodputPolicy:
         after_warmup = self.batches - self.params.warmup_batches
         if after_warmup < 0 or after_warmup % self.params.update_interval:
             return None
+        if self.params.draft_cutoff and 0 in self.candidates and self._zero_due(observation.batch_size):
+            # Drafting is measured all the time, plain decoding only when it runs: try it for a
+            # few rounds now and then, as k = 0 tries drafting, so that both rates stay current.
+            self.probe_from = self._steps
+            self._steps, self.rounds_at_zero = 0, self._probe_spacing - ZERO_PROBE_ROUNDS
+            return Decision(0, "probe", self.ema)
         return self._choose(observation.batch_size)
+
+    @property
+    def _probe_spacing(self) -> int:
+        return self.params.probe_interval * self.backoff
+
+    def _zero_due(self, batch_size: int) -> bool:
+        arm = self.arms.get((False, batch_size))
+        return arm is None or self.rounds - arm[1] >= self._probe_spacing
+
+    def _measure_arm(self, observation: Observation) -> None:
+        self.rounds += 1
+        seconds = observation.round_seconds or observation.draft_seconds + observation.verify_seconds
+        if seconds <= 0:
+            return
+        key = (max(observation.proposed, default=0) > 0, observation.batch_size)
+        rates = self.arms[key][0] if key in self.arms else deque(maxlen=ARM_ROUNDS)
+        rates.append((sum(observation.accepted) + observation.batch_size) / seconds)
+        self.arms[key] = (rates, self.rounds)
+
+    def _fresh(self, drafted: bool, batch_size: int) -> bool:
+        """Measured at this batch size since the longest a probe may be waited for, and then some."""
+        arm = self.arms.get((drafted, batch_size))
+        return arm is not None and self.rounds - arm[1] <= 2 * MAX_BACKOFF * self.params.probe_interval
+
+    def arm_rate(self, drafted: bool, batch_size: int) -> float | None:
+        """Tokens per second of recent rounds that drafted (or did not) at this batch size, while fresh."""
+        if not self._fresh(drafted, batch_size):
+            return None
+        return statistics.median(self.arms[(drafted, batch_size)][0])
 
     def _measure_throughput(self, observation: Observation) -> None:
         # The whole round: the work between draft and verify is paid per round too, so a round
@@ -737,19 +795,30 @@ class GoodputPolicy:
         known = {k: v for k, v in estimates.items() if v is not None}
         if self.params.draft_cutoff:
             # Whatever k drafting with a full chain would favour, the cutoff does at least as well
-            # from the ceiling: the choice left is whether to draft at all.
+            # from the ceiling: the choice left is whether to draft at all, measured where both
+            # have run lately, else estimated.
             drafting = [v for k, v in known.items() if k > 0]
             known = {k: v for k, v in known.items() if k == 0}
             if drafting:
                 known[self.candidates[-1]] = max(drafting)
+            plain, drafted = self.arm_rate(False, batch_size), self.arm_rate(True, batch_size)
+            if plain is not None and drafted is not None and 0 in self.candidates:
+                known = {0: plain, self.candidates[-1]: drafted}
         self.last_goodput = known
-        here = self._speculating_steps(self._steps)  # a forced k below the ceiling moves up to it
+        # A forced k below the ceiling moves up to it; after a probe, the probed choice must win
+        # against the one it left by the margin.
+        here = self._speculating_steps(self._steps if self.probe_from is None else self.probe_from)
         current = known.get(here)
         if current is None:
             return None
         best = max(known, key=lambda k: known[k])
         if known[best] <= current * (1 + self.params.switch_margin):
             best = here
+        if self.probe_from is not None:
+            self.backoff = min(MAX_BACKOFF, 2 * self.backoff) if best == here else 1
+            self.probe_from = None
+        elif best != self._steps:
+            self.backoff = 1  # the traffic changed: look at the choice left again soon
         if best == self._steps:
             return None
         self._steps = best
@@ -759,6 +828,7 @@ class GoodputPolicy:
     def set_steps(self, k: int) -> None:
         self._steps = snap(k, self.candidates)
         self.rounds_at_zero = 0
+        self.backoff, self.probe_from = 1, None
 
     def update_params(self, params: PolicyParams) -> None:
         current = self._steps
