@@ -566,10 +566,10 @@ class LookupCalibration:
 
 # goodput with the cutoff: rounds a probe of plain decoding (k = 0) lasts; how far the spacing of
 # probes of the choice not taken backs off (probe_interval times 1, 2, 4, 8) while probes keep
-# losing; how many recent rounds the measured rates of drafting and not are the median of.
+# losing; how many recent rounds the measured rates of drafting and not are taken over.
 ZERO_PROBE_ROUNDS = 3
 MAX_BACKOFF = 8
-ARM_ROUNDS = 8
+ARM_ROUNDS = 32
 
 
 class GoodputPolicy:
@@ -617,11 +617,14 @@ class GoodputPolicy:
         self.batches = 0
         self.rounds_at_zero = 0
         self.last_goodput: dict[int, float] = {}
-        # By (drafted, batch size): tokens per second of the last ARM_ROUNDS rounds, and the round
-        # last seen. Whether to draft at all is decided on these measured rates where both are
-        # fresh (a cost model fitted on drafting rounds alone cannot price a round without), by
-        # their medians, which a few rounds stalled by another process do not move.
-        self.arms: dict[tuple[bool, int], tuple[deque[float], int]] = {}
+        # By (drafted, batch size): tokens and seconds of each of the last ARM_ROUNDS rounds (not
+        # the warm-up's, while the cutoff's calibration is still learning), and the round last
+        # seen. Whether to draft at all is decided on these measured rates where both are fresh:
+        # a cost model fitted on drafting rounds alone cannot price a round without. A rate is
+        # the window's tokens over its seconds (a median of per-round rates would undercount
+        # drafting, whose rounds emit 1 token or 6 at about the same cost), each round's seconds
+        # held to STALL_FACTOR times the window's median, so a few stalled rounds do not move it.
+        self.arms: dict[tuple[bool, int], tuple[deque[tuple[int, float]], int]] = {}
         self.rounds = 0
         # The choice not taken is tried every probe_interval * backoff rounds; a probe that loses
         # doubles the spacing, one that wins resets it. probe_from: the k a probe left.
@@ -694,8 +697,9 @@ class GoodputPolicy:
                 # Decide again after one interval of probing (the warm-up was done long ago).
                 self.batches = self.params.warmup_batches
                 self._steps = self._speculating_steps(self.candidates[1])
-                if self.probe_from is None:
+                if self.probe_from is None:  # from plain decoding, not back from a probe of it
                     self.probe_from = 0
+                    self.arms.pop((True, observation.batch_size), None)  # a probe measures the present
                 return Decision(self._steps, "probe", self.ema)
             return None
         self._learn(observation)
@@ -708,6 +712,7 @@ class GoodputPolicy:
             # few rounds now and then, as k = 0 tries drafting, so that both rates stay current.
             self.probe_from = self._steps
             self._steps, self.rounds_at_zero = 0, self._probe_spacing - ZERO_PROBE_ROUNDS
+            self.arms.pop((False, observation.batch_size), None)
             return Decision(0, "probe", self.ema)
         return self._choose(observation.batch_size)
 
@@ -722,12 +727,13 @@ class GoodputPolicy:
     def _measure_arm(self, observation: Observation) -> None:
         self.rounds += 1
         seconds = observation.round_seconds or observation.draft_seconds + observation.verify_seconds
-        if seconds <= 0:
+        drafted = max(observation.proposed, default=0) > 0
+        if seconds <= 0 or (drafted and self.batches < self.params.warmup_batches):
             return
-        key = (max(observation.proposed, default=0) > 0, observation.batch_size)
-        rates = self.arms[key][0] if key in self.arms else deque(maxlen=ARM_ROUNDS)
-        rates.append((sum(observation.accepted) + observation.batch_size) / seconds)
-        self.arms[key] = (rates, self.rounds)
+        key = (drafted, observation.batch_size)
+        rounds = self.arms[key][0] if key in self.arms else deque(maxlen=ARM_ROUNDS)
+        rounds.append((sum(observation.accepted) + observation.batch_size, seconds))
+        self.arms[key] = (rounds, self.rounds)
 
     def _fresh(self, drafted: bool, batch_size: int) -> bool:
         """Measured at this batch size since the longest a probe may be waited for, and then some."""
@@ -738,7 +744,9 @@ class GoodputPolicy:
         """Tokens per second of recent rounds that drafted (or did not) at this batch size, while fresh."""
         if not self._fresh(drafted, batch_size):
             return None
-        return statistics.median(self.arms[(drafted, batch_size)][0])
+        rounds = self.arms[(drafted, batch_size)][0]
+        most = STALL_FACTOR * statistics.median(seconds for _, seconds in rounds)
+        return sum(tokens for tokens, _ in rounds) / sum(min(seconds, most) for _, seconds in rounds)
 
     def _measure_throughput(self, observation: Observation) -> None:
         # The whole round: the work between draft and verify is paid per round too, so a round
