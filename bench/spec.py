@@ -279,6 +279,43 @@ def run_side_by_side(runs: list[ModeRun]) -> None:
             run.advance()
 
 
+def run_modes(
+    modes: list[str],
+    items: list[WorkItem],
+    target: Checkpoint,
+    drafter_factory,
+    concurrency: int,
+    max_seq_len: int,
+    settings: dict,
+    repeats: int = 1,
+) -> dict[str, ModeReport]:
+    """Serve `items` with every mode side by side, `repeats` times over, each time on new engines."""
+    reports = {mode: ModeReport() for mode in modes}
+    for repeat in range(repeats):
+        runs = {
+            mode: ModeRun(
+                build_controller(
+                    mode,
+                    target,
+                    drafter_factory,
+                    concurrency,
+                    max_seq_len,
+                    settings["policy"],
+                    settings["verification"],
+                ),
+                items,
+                target.tokenizer,
+                concurrency,
+            )
+            for mode in modes
+        }
+        run_side_by_side(list(runs.values()))
+        for mode, run in runs.items():
+            reports[mode].merge(run.report)
+            print(f"  {mode} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
+    return reports
+
+
 def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> ModeReport:
     run = ModeRun(controller, items, tokenizer, concurrency)
     run_side_by_side([run])
@@ -482,29 +519,9 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()  # as the daemon does once loaded: collections then skip the objects of start-up
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    reports: dict[str, ModeReport] = {mode: ModeReport() for mode in modes}
-    for repeat in range(args.repeats):
-        runs = {
-            mode: ModeRun(
-                build_controller(
-                    mode,
-                    target,
-                    drafter_factory,
-                    args.concurrency,
-                    args.max_seq_len,
-                    settings["policy"],
-                    settings["verification"],
-                ),
-                items,
-                target.tokenizer,
-                args.concurrency,
-            )
-            for mode in modes
-        }
-        run_side_by_side(list(runs.values()))
-        for mode, run in runs.items():
-            reports[mode].merge(run.report)
-            print(f"  {mode} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
+    reports = run_modes(
+        modes, items, target, drafter_factory, args.concurrency, args.max_seq_len, settings, args.repeats
+    )
     print_table(reports)
     if args.json:
         args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")

@@ -24,16 +24,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench.spec import (
-    ModeReport,
-    ModeRun,
-    bench_settings,
-    build_controller,
-    plot,
-    print_table,
-    read_workload,
-    run_side_by_side,
-)
+from bench.spec import bench_settings, plot, print_table, read_workload, run_modes
 from engine.checkpoint import load_checkpoint
 from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
 
@@ -117,28 +108,9 @@ def main(argv: list[str] | None = None) -> None:
         for path in files:
             name = path.name.removesuffix(".jsonl")
             items = read_workload(path)
-            reports = {mode: ModeReport() for mode in modes}
-            for _ in range(args.repeats):
-                runs = {
-                    mode: ModeRun(
-                        build_controller(
-                            mode,
-                            target,
-                            drafter_factory,
-                            concurrency,
-                            args.max_seq_len,
-                            settings["policy"],
-                            settings["verification"],
-                        ),
-                        items,
-                        target.tokenizer,
-                        concurrency,
-                    )
-                    for mode in modes
-                }
-                run_side_by_side(list(runs.values()))
-                for mode, run in runs.items():
-                    reports[mode].merge(run.report)
+            reports = run_modes(
+                modes, items, target, drafter_factory, concurrency, args.max_seq_len, settings, args.repeats
+            )
             print(f"\n== {name}, concurrency {concurrency} ({len(items)} requests)")
             print_table(reports)
             sys.stdout.flush()

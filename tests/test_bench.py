@@ -87,3 +87,19 @@ def test_headroom_measures_keep_chances_from_the_draft_against_the_target(tmp_pa
     )
     printed = capsys.readouterr().out
     assert "per-phase oracle" in printed and "knows the odds" in printed and "clairvoyant" in printed
+
+
+def test_the_suite_summary_picks_one_static_k_for_all_traffic_and_names_the_worst_workload():
+    from bench.suite import summarize
+
+    rates = {
+        "a": {"none": 100.0, "static:3": 200.0, "adaptive:goodput": 220.0},
+        "b": {"none": 100.0, "static:3": 50.0, "adaptive:goodput": 90.0},
+    }
+    summary = summarize(rates)
+    # none and static:3 tie at a geometric mean of 100 tok/s: the first listed is taken.
+    assert summary["best_single_static"] == "none"
+    goodput = summary["adaptive"]["adaptive:goodput"]
+    assert abs(goodput["vs_best_single_static"] - (2.2 * 0.9) ** 0.5) < 1e-9
+    assert abs(goodput["vs_best_static_per_workload"] - (1.1 * 0.9) ** 0.5) < 1e-9
+    assert goodput["worst_workload"] == "b" and abs(goodput["worst_vs_its_best_static"] - 0.9) < 1e-9
