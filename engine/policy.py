@@ -619,13 +619,13 @@ class GoodputPolicy:
         self.last_goodput: dict[int, float] = {}
         # By (drafted, batch size): tokens and seconds of each of the last ARM_ROUNDS rounds (not
         # the warm-up's, while the cutoff's calibration is still learning), and the round last
-        # seen. Whether to draft at all is decided on these measured rates where both are fresh:
-        # a cost model fitted on drafting rounds alone cannot price a round without. A rate is
-        # the window's tokens over its seconds (a median of per-round rates would undercount
-        # drafting, whose rounds emit 1 token or 6 at about the same cost), each round's seconds
-        # held to STALL_FACTOR times the window's median, so a few stalled rounds do not move it.
+        # seen (`costs.rounds`). Whether to draft at all is decided on these measured rates where
+        # both are fresh: a cost model fitted on drafting rounds alone cannot price a round
+        # without. A rate is the window's tokens over its seconds (a median of per-round rates
+        # would undercount drafting, whose rounds emit 1 token or 6 at about the same cost), each
+        # round's seconds held to STALL_FACTOR times the window's median, so a few stalled rounds
+        # do not move it.
         self.arms: dict[tuple[bool, int], tuple[deque[tuple[int, float]], int]] = {}
-        self.rounds = 0
         # The choice not taken is tried every probe_interval * backoff rounds; a probe that loses
         # doubles the spacing, one that wins resets it. probe_from: the k a probe left.
         self.backoff = 1
@@ -684,7 +684,6 @@ class GoodputPolicy:
         self.costs.record(observation)
         self.batch_size = observation.batch_size
         self._measure_throughput(observation)
-        self._measure_arm(observation)
         for chain, proposed, accepted in zip(observation.chains, observation.proposed, observation.accepted):
             if chain.looked_up:
                 self.lookups.learn(chain.match, proposed, accepted)
@@ -722,23 +721,12 @@ class GoodputPolicy:
 
     def _zero_due(self, batch_size: int) -> bool:
         arm = self.arms.get((False, batch_size))
-        return arm is None or self.rounds - arm[1] >= self._probe_spacing
-
-    def _measure_arm(self, observation: Observation) -> None:
-        self.rounds += 1
-        seconds = observation.round_seconds or observation.draft_seconds + observation.verify_seconds
-        drafted = max(observation.proposed, default=0) > 0
-        if seconds <= 0 or (drafted and self.batches < self.params.warmup_batches):
-            return
-        key = (drafted, observation.batch_size)
-        rounds = self.arms[key][0] if key in self.arms else deque(maxlen=ARM_ROUNDS)
-        rounds.append((sum(observation.accepted) + observation.batch_size, seconds))
-        self.arms[key] = (rounds, self.rounds)
+        return arm is None or self.costs.rounds - arm[1] >= self._probe_spacing
 
     def _fresh(self, drafted: bool, batch_size: int) -> bool:
         """Measured at this batch size since the longest a probe may be waited for, and then some."""
         arm = self.arms.get((drafted, batch_size))
-        return arm is not None and self.rounds - arm[1] <= 2 * MAX_BACKOFF * self.params.probe_interval
+        return arm is not None and self.costs.rounds - arm[1] <= 2 * MAX_BACKOFF * self.params.probe_interval
 
     def arm_rate(self, drafted: bool, batch_size: int) -> float | None:
         """Tokens per second of recent rounds that drafted (or did not) at this batch size, while fresh."""
@@ -761,6 +749,13 @@ class GoodputPolicy:
             0.95 * old_seconds + seconds,
             0.95 * old_rounds + 1,
         )
+        drafted = max(observation.proposed, default=0) > 0
+        if drafted and self.batches < self.params.warmup_batches:
+            return
+        key = (drafted, observation.batch_size)
+        rounds = self.arms[key][0] if key in self.arms else deque(maxlen=ARM_ROUNDS)
+        rounds.append((tokens, seconds))
+        self.arms[key] = (rounds, self.costs.rounds)
 
     def throughput(self, batch_size: int) -> float | None:
         """Tokens per second of recent rounds at this batch size: summed tokens over summed seconds,
