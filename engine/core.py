@@ -392,9 +392,7 @@ class Engine:
             seq.output.append(token)
             seq.tokens.append(token)
             new.append(token)
-            if seq.params.stop:
-                if seq.text is None:
-                    seq.text = OutputText(self.target.tokenizer, seq.params.stop)
+            if seq.text is not None:
                 seq.text.push([token])
             seq.finish_reason = finish_reason(seq.output, seq.params, eos, seq.text)
             if seq.finish_reason is not None:
@@ -414,6 +412,7 @@ class Engine:
                 slot=self.cache.allocate(),
                 generator=request.params.generator(self.model.embed_tokens.weight.device),
                 tokens=list(request.prompt),
+                text=OutputText(self.target.tokenizer, request.params.stop) if request.params.stop else None,
                 kept_recently=self.acceptance,  # of one judged draft: the traffic's acceptance
                 emitted_recently=self.pace,  # of one round: the traffic's pace
             )

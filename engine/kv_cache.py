@@ -37,16 +37,14 @@ class KVCache:
         # values 64 at a time, so a head narrower than that may read up to 64 past the last one.
         self.transposed_keys = transposed_keys
         if transposed_keys:
-            values = torch.zeros(math.prod(shape) + 64, dtype=dtype, device=device)
-            self.v = values[: math.prod(shape)].view(shape)
-        else:
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
-        if transposed_keys:
             positions = -(-(max_seq_len + 1) // 64) * 64
             key_shape = (num_layers, max_batch_size, num_kv_heads, head_dim, positions)
             self.k = torch.zeros(key_shape, dtype=dtype, device=device)
+            values = torch.zeros(math.prod(shape) + 64, dtype=dtype, device=device)
+            self.v = values[: math.prod(shape)].view(shape)
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * max_batch_size
         self._free = list(range(max_batch_size - 1, -1, -1))
 

@@ -225,7 +225,22 @@ class ForwardOutput:
     hidden: dict[int, Tensor]  # layer index -> that layer's output [B, T, D]
 
 
-class Linear(nn.Linear):
+class DerivedCopy:
+    """A module mixin for a copy made from the parameters (the attribute named `derived`): moving,
+    converting or loading them drops it, so that nothing runs from stale weights."""
+
+    derived: str
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        setattr(self, self.derived, None)
+        return super()._apply(fn, recurse)  # type: ignore[misc]
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        setattr(self, self.derived, None)
+        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[misc]
+
+
+class Linear(DerivedCopy, nn.Linear):
     """nn.Linear that can run from a copy of its weight packed once for oneDNN's CPU kernels.
 
     Decoding is a matrix-vector product per layer, bound by how fast the weights stream from
@@ -236,17 +251,10 @@ class Linear(nn.Linear):
     """
 
     packed: Tensor | None = None
+    derived = "packed"
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self.packed = None
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        self.packed = None
-        super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is None:
@@ -396,7 +404,9 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Transformer(nn.Module):
+class Transformer(DerivedCopy, nn.Module):
+    derived = "native"  # the compiled forward holds copies and addresses of the parameters
+
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
@@ -431,14 +441,6 @@ class Transformer(nn.Module):
             assert lib is not None
             self.native = NativeForward(self, lib)
         return self.native is not None
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self.native = None
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        self.native = None
-        super()._load_from_state_dict(*args, **kwargs)
 
     def batch(self, cache: KVCache, slots: Sequence[int], new_tokens: Sequence[Sequence[int]]) -> Batch:
         """The batch appending `new_tokens[i]` to cache slot `slots[i]`, as this model's forward reads it."""
