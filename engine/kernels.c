@@ -213,7 +213,17 @@ static void linear(const float *x, int rows, const Linear *w, float *y, int64_t 
     }
 }
 
-static void silu_times(const float *gate, const float *up, int n, float *out);
+/* out = silu(gate) * up = gate / (1 + e^-gate) * up, on whole vectors (the tail through a copy). */
+static void silu_times(const float *gate, const float *up, int n, float *out) {
+    for (int i = 0; i < n; i += 16) {
+        vf g = (vf){0}, u = (vf){0};
+        const int lanes = n - i < 16 ? n - i : 16;
+        memcpy(&g, gate + i, sizeof(float) * (size_t)lanes);
+        memcpy(&u, up + i, sizeof(float) * (size_t)lanes);
+        const vf y = g / (1.0f + vexp(-g)) * u;
+        memcpy(out + i, &y, sizeof(float) * (size_t)lanes);
+    }
+}
 
 /* act[m] = silu(gate) * up for m < rows, where w's panels hold gate and up rows alternately
  * (PANEL / 2 of each, engine/native.py `gate_up_panels`): each thread finishes its panels' share
@@ -240,9 +250,6 @@ static void linear_glu(const float *x, int rows, const Linear *w, float *act, in
     }
 }
 
-/* Every thread normalizes all `rows` of x into its own `out`: cheaper than a pass and a wait. */
-static void rms_norm_rows(const float *x, int rows, const float *weight, int n, float eps, float *out);
-
 static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
     float sum = 0.0f;
     for (int i = 0; i < n; i++) sum += x[i] * x[i];
@@ -250,6 +257,7 @@ static void rms_norm(const float *x, const float *weight, int n, float eps, floa
     for (int i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
 }
 
+/* Every thread normalizes all `rows` of x into its own `out`: cheaper than a pass and a wait. */
 static void rms_norm_rows(const float *x, int rows, const float *weight, int n, float eps, float *out) {
     for (int r = 0; r < rows; r++) rms_norm(x + (int64_t)r * n, weight, n, eps, out + (int64_t)r * n);
 }
@@ -329,18 +337,6 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
             const int columns = dim - d < PANEL ? dim - d : PANEL; /* reads past them land in the padding */
             tile_rows(rows, 0, last + 1, s->probs, ldp, values + d, value_stride, NULL, columns, rows_at, 0);
         }
-    }
-}
-
-/* out = silu(gate) * up = gate / (1 + e^-gate) * up, on whole vectors (the tail through a copy). */
-static void silu_times(const float *gate, const float *up, int n, float *out) {
-    for (int i = 0; i < n; i += 16) {
-        vf g = (vf){0}, u = (vf){0};
-        const int lanes = n - i < 16 ? n - i : 16;
-        memcpy(&g, gate + i, sizeof(float) * (size_t)lanes);
-        memcpy(&u, up + i, sizeof(float) * (size_t)lanes);
-        const vf y = g / (1.0f + vexp(-g)) * u;
-        memcpy(out + i, &y, sizeof(float) * (size_t)lanes);
     }
 }
 
