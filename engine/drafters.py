@@ -120,10 +120,10 @@ class DraftModelDrafter:
         self.graphs: GraphSet | None = None
 
     def admit(self, seqs: Seq[Sequence]) -> None:
+        # The prompt is fed at the first proposal, with whatever else the cache lacks: a request
+        # served at k = 0 throughout never runs the draft model.
         for seq in seqs:
             seq.draft_slot = self.cache.allocate()
-        # The prompt is prefilled now; the first generated token joins at the first proposal.
-        self._forward(seqs, [seq.tokens[:-1] for seq in seqs])
 
     def _forward(
         self, seqs: Seq[Sequence], inputs: Seq[Seq[int]], mode: ForwardMode = ForwardMode.PREFILL

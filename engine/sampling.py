@@ -54,14 +54,37 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return nucleus(probs, params.top_p) if params.top_p < 1.0 else probs
+
+
+# The nucleus is found by bucketing log-probabilities below each row's largest: 64 buckets a nat,
+# 32 nats deep (a token further below holds under 1e-14 of its row's mass).
+BUCKETS_PER_NAT = 64
+BUCKETS = 32 * BUCKETS_PER_NAT
+
+
+def nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """`probs` ([..., V]) kept on the smallest set of most likely tokens whose mass reaches top_p
+    (the most likely always stays), renormalized.
+
+    Sorting a vocabulary of 8192 costs about 360 us on a CPU, and at temperature 1 a nucleus often
+    holds thousands of tokens. Instead each token goes to a bucket by its log-probability; the
+    buckets above the one where the mass reaches top_p are kept whole, and only that bucket's
+    tokens (a few dozen) are ranked."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    log = rows.log()
+    depth = (log.max(dim=-1, keepdim=True).values - log).mul_(BUCKETS_PER_NAT)
+    bucket = depth.clamp_(max=BUCKETS - 1).long()  # a zero probability (infinitely deep) goes last
+    mass = torch.zeros(rows.shape[0], BUCKETS, dtype=rows.dtype).scatter_add_(1, bucket, rows)
+    below = mass.cumsum(dim=1) - mass  # the mass of every bucket above each bucket
+    crossing = (below < top_p).sum(dim=1, keepdim=True) - 1  # the last bucket with less above it
+    kept = torch.where(bucket < crossing, rows, 0.0)
+    members = torch.where(bucket == crossing, rows, 0.0)
+    width = max(int((members > 0).sum(dim=1).max()), 1)
+    top, order = members.topk(width, dim=-1)
+    before = below.gather(1, crossing) + top.cumsum(dim=-1) - top
+    kept.scatter_add_(1, order, top.masked_fill(before >= top_p, 0.0))
+    return (kept / kept.sum(dim=-1, keepdim=True)).reshape(probs.shape)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:

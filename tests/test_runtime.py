@@ -91,6 +91,23 @@ def test_top_k_and_top_p_restrict_the_support():
     assert (nucleus > 0).tolist() == [True, True, False, False, False]
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+@pytest.mark.parametrize("spread", [0.1, 1.0, 8.0])
+def test_top_p_keeps_the_smallest_prefix_of_the_sorted_vocabulary(top_p, spread):
+    """The nucleus is what sorting the whole vocabulary and cutting where the mass reaches top_p
+    gives, also where it holds most of a flat vocabulary (more than the first tokens looked at)."""
+    torch.manual_seed(int(spread * 10))
+    logits = torch.randn(3, 8192) * spread
+    probs = torch.softmax(logits, -1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0.0)
+    expected = torch.zeros_like(probs).scatter_(-1, order, ordered)
+    expected = expected / expected.sum(-1, keepdim=True)
+    got = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.equal(got > 0, expected > 0)
+    assert torch.allclose(got, expected, atol=1e-7)
+
+
 def test_sampled_tokens_follow_the_distribution(checkpoint):
     """Target-only sampling of the first token matches softmax(logits / T) (chi-square)."""
     prompt = [3, 4, 5]
