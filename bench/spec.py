@@ -12,8 +12,9 @@ down by) and "arrival_s" (open loop: not submitted before that offset). Without 
 run is closed-loop: --concurrency requests in flight, the next one submitted as one finishes.
 
 Modes: `none` (target only), `static:K` (a fixed k), `adaptive:ema`, `adaptive:goodput` (the
-config's [adaptive] parameters with that strategy; `+NAME=VALUE` overrides one more parameter, as
-in `adaptive:goodput+draft_cutoff=false`). Every mode serves the same requests on the same
+config's [adaptive] parameters with that strategy, and that strategy's default candidates where the
+config has the default; `+NAME=VALUE` overrides one more parameter, as in
+`adaptive:goodput+draft_cutoff=false`). Every mode serves the same requests on the same
 loaded models in this process, side by side: the modes take turns a round at a time, and each
 is timed by its own rounds, so a change in the machine's speed is shared by all of them.
 A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
@@ -44,7 +45,7 @@ from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller
 from engine.core import Engine
 from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
-from engine.policy import PolicyParams, VerifyCurve
+from engine.policy import DEFAULT_CANDIDATES, PolicyParams, VerifyCurve
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
@@ -165,7 +166,11 @@ def build_controller(
         static = replace(params, candidate_steps=(k,), slots=())
         return Controller(engine(drafter_factory(), [k], k), static, adaptive=False, static_steps=k)
     if base.startswith("adaptive:"):
-        policy = replace(params, strategy=base.split(":", 1)[1], **settings)
+        strategy = base.split(":", 1)[1]
+        if params.candidate_steps == DEFAULT_CANDIDATES.get(params.strategy) and strategy in DEFAULT_CANDIDATES:
+            # The config left the candidates to its strategy: another strategy runs its own.
+            settings.setdefault("candidate_steps", DEFAULT_CANDIDATES[strategy])
+        policy = replace(params, strategy=strategy, **settings)
         adaptive = engine(drafter_factory(), policy.all_steps, max(policy.all_steps))
         adaptive.verify_curve = verify_curve(adaptive)
         return Controller(adaptive, policy)
@@ -469,7 +474,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--modes", default="none,static:1,static:3,static:7,adaptive:ema,adaptive:goodput")
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--config", type=Path, default=None, help="TOML config: its [engine] and [adaptive]")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=ROOT / "config.toml",
+        help="TOML config: its [engine] and [adaptive] (the daemon's default)",
+    )
     parser.add_argument("--target", default=None, help="target checkpoint (default: config, or models/target)")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: config, or models/draft)")
     parser.add_argument("--drafter", choices=["draft_model", "hybrid", "ngram"], default=None)
@@ -530,33 +540,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def bench_settings(args: argparse.Namespace) -> dict:
-    """Models and policy parameters: command line over --config over built-in defaults."""
-    settings = {
-        "target": str(ROOT / "models" / "target"),
-        "draft": str(ROOT / "models" / "draft"),
-        "drafter": "hybrid",
-        "draft_quantization": "int8",
-        "ngram_min": 1,
-        "ngram_max": 4,
-        "lookup_history": 16384,
-        "verification": "block",
-        "policy": PolicyParams(),
-    }
-    if args.config is not None:
-        from control.config import load_config
+    """Models and policy parameters: the command line's over the config's (--config, by default
+    the daemon's), so that a bench measures what the daemon serves."""
+    from control.config import load_config
 
-        config = load_config(args.config)
-        settings.update(
-            target=str(config.engine.target),
-            draft=str(config.engine.draft),
-            drafter=config.engine.drafter,
-            draft_quantization=config.engine.draft_quantization,
-            ngram_min=config.engine.ngram_min,
-            ngram_max=config.engine.ngram_max,
-            lookup_history=config.engine.lookup_history,
-            verification=config.engine.verification,
-            policy=config.adaptive.policy,
-        )
+    config = load_config(args.config)
+    settings = {
+        "target": str(config.engine.target),
+        "draft": str(config.engine.draft),
+        "drafter": config.engine.drafter,
+        "draft_quantization": config.engine.draft_quantization,
+        "ngram_min": config.engine.ngram_min,
+        "ngram_max": config.engine.ngram_max,
+        "lookup_history": config.engine.lookup_history,
+        "verification": config.engine.verification,
+        "policy": config.adaptive.policy,
+    }
     for key in ("target", "draft", "drafter"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)

@@ -24,12 +24,12 @@ import math
 import sys
 from pathlib import Path
 
-from bench.spec import bench_settings, plot, print_table, read_workload, run_modes
+from bench.spec import ROOT, bench_settings, plot, print_table, read_workload, run_modes
 from engine.checkpoint import load_checkpoint
 from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
 
 SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
-MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:goodput"
+MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:goodput,adaptive:measured"
 
 
 def geomean(values: list[float]) -> float:
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--modes", default=MODES)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument(
+        "--config", type=Path, default=ROOT / "config.toml", help="as bench.spec's (the daemon's default)"
+    )
     parser.add_argument("--target", default=None)
     parser.add_argument("--draft", default=None)
     parser.add_argument("--drafter", choices=["draft_model", "hybrid", "ngram"], default=None)

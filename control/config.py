@@ -21,7 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from engine.policy import BatchSlot, PolicyParams
+from engine.policy import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,6 +146,11 @@ def _default_socket(values: Mapping[str, Any]) -> Path:
     return Path(f"/tmp/adaspec-{os.getuid()}") / "admin.sock"
 
 
+def _default_candidates(values: Mapping[str, Any]) -> tuple[int, ...]:
+    strategy = values.get("adaptive.strategy")
+    return DEFAULT_CANDIDATES.get(strategy if isinstance(strategy, str) else "measured", DEFAULT_CANDIDATES["measured"])
+
+
 def _default_mode(values: Mapping[str, Any]) -> str:
     # A group is only worth naming if its members can connect.
     return "0660" if values.get("admin.group") else "0600"
@@ -187,11 +192,11 @@ SCHEMA: Mapping[str, Section] = {
     "adaptive": Section(AdaptiveSettings, live=True, doc="the step-count policy", keys={
         "enabled": Key("bool", True, "adapt k to the acceptance rate; false = always static_steps"),
         "static_steps": Key("int", 3, "k used when enabled = false", lo=0, bounded_by_max_steps=True),
-        "strategy": Key("str", "goodput", "policy: goodput (cost-aware) or ema (SGLang ladder)",
-                        choices=("goodput", "ema")),
-        "candidate_steps": Key("steps", (0, 1, 2, 3, 5, 7, 32), "step counts k the policy chooses from", lo=0,
+        "strategy": Key("str", "measured", "policy: goodput (cost-aware), measured (climbs to the k measured"
+                        " fastest) or ema (SGLang ladder)", choices=("goodput", "measured", "ema")),
+        "candidate_steps": Key("steps", _default_candidates, "step counts k the policy chooses from", lo=0,
                                bounded_by_max_steps=True),
-        "initial_steps": Key("int", None, "k to start with; default: the largest candidate", lo=0,
+        "initial_steps": Key("int", None, "k to start with; default: by strategy", lo=0,
                              bounded_by_max_steps=True),
         "ema_alpha": Key("float", 0.2, "weight of the newest round in the ema strategy's acceptance EMA",
                          lo=0, lo_open=True, hi=1),
@@ -199,9 +204,12 @@ SCHEMA: Mapping[str, Section] = {
         "update_interval": Key("int", 5, "rounds between decisions", lo=1),
         "up_hysteresis": Key("float", 0.0, "ema: extra margin needed to move up a tier"),
         "down_hysteresis": Key("float", -0.25, "ema: margin (usually negative) before moving down a tier"),
-        "probe_interval": Key("int", 10, "rounds at k = 0 before probing the smallest k > 0", lo=1),
-        "switch_margin": Key("float", 0.05, "goodput: fraction by which a k must beat the current one", lo=0),
+        "probe_interval": Key("int", 10, "fewest rounds between tries of another k", lo=1),
+        "switch_margin": Key("float", 0.05, "measured, goodput: fraction by which a k must beat the current one",
+                             lo=0),
         "draft_cutoff": Key("bool", True, "goodput: stop a round's drafting once another draft is not worth it"),
+        "exploration": Key("float", 0.02, "measured: share of serving time tries of other k's may lose",
+                           lo=0, lo_open=True, hi=1),
         "slots": Key("slots", (), "candidate lists by batch size ([[adaptive.slots]])"),
     }),
     "admin": Section(AdminSettings, live=False, doc="the admin socket", keys={

@@ -92,15 +92,26 @@ def test_every_schema_key_is_a_settings_field():
 # --- defaults and sources -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("strategy", "candidates"),
+    [("measured", (0, 1, 2, 3, 5, 7)), ("goodput", (0, 1, 2, 3, 5, 7, 32)), ("ema", (1, 3, 7))],
+)
+def test_each_strategy_has_its_own_default_candidates_unless_the_file_names_them(tmp_path, strategy, candidates):
+    snapshot = load_config(write(tmp_path, f'[adaptive]\nstrategy = "{strategy}"\n'))
+    assert snapshot.adaptive.policy.candidate_steps == candidates
+    named = load_config(write(tmp_path, f'[adaptive]\nstrategy = "{strategy}"\ncandidate_steps = [0, 2]\n'))
+    assert named.adaptive.policy.candidate_steps == (0, 2)
+
+
 def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch):
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/adaspec:/run/other")
     snapshot = load_config(write(tmp_path, "[adaptive]\nema_alpha = 0.5\n"))
     assert snapshot.adaptive.policy.ema_alpha == 0.5
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
-    # The daemon's defaults: goodput over finer steps than SGLang's [1, 3, 7] (measured on the
-    # default pair, docs/benchmarks.md); every other policy parameter is PolicyParams'.
+    # The daemon's defaults: the measured strategy over its own ladder (chosen on the tuning half
+    # of the workload suite, docs/benchmarks.md); every other policy parameter is PolicyParams'.
     assert snapshot.adaptive.policy == PolicyParams(
-        strategy="goodput", candidate_steps=(0, 1, 2, 3, 5, 7, 32), ema_alpha=0.5
+        strategy="measured", candidate_steps=(0, 1, 2, 3, 5, 7), ema_alpha=0.5
     )
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_steps is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
@@ -173,7 +184,7 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[adaptive]\ncandidate_steps = [1, 33]\n", "adaptive.candidate_steps", "33 above engine.max_steps = 32"),
         ("[adaptive]\nstatic_steps = 33\n", "adaptive.static_steps", "above engine.max_steps"),
         ("[adaptive]\ninitial_steps = 33\n", "adaptive.initial_steps", "above engine.max_steps"),
-        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_steps", "5, 7, 32 above engine.max_steps = 4 (the default"),
+        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_steps", "5, 7 above engine.max_steps = 4 (the default"),
         ("[engine]\nngram_min = 5\n", "engine.ngram_min", "<= engine.ngram_max (4)"),
         ("[engine]\nngram_min = 0\n", "engine.ngram_min", ">= 1"),
         ("[engine]\nlookup_history = -1\n", "engine.lookup_history", ">= 0"),
@@ -282,7 +293,7 @@ candidate_steps = [1, 6]
     assert issues == {
         "adaptive.slots[0].candidate_steps": "5 above engine.max_steps = 4",
         "adaptive.slots[1].candidate_steps": "6 above engine.max_steps = 4",
-        "adaptive.candidate_steps": "5, 7, 32 above engine.max_steps = 4 (the default; set it explicitly)",
+        "adaptive.candidate_steps": "5, 7 above engine.max_steps = 4 (the default; set it explicitly)",
     }
 
 
@@ -382,7 +393,7 @@ def test_effective_marks_admin_overrides():
     snapshot = parse_config("[adaptive]\nstrategy = 'ema'\n")
     table = effective(snapshot, {"adaptive.steps": 3, "adaptive.ema_alpha": 0.5})
     assert table["adaptive.strategy"] == {"value": "ema", "source": "file"}
-    assert table["adaptive.candidate_steps"] == {"value": [0, 1, 2, 3, 5, 7, 32], "source": "default"}
+    assert table["adaptive.candidate_steps"] == {"value": [1, 3, 7], "source": "default"}  # ema's own
     assert table["adaptive.ema_alpha"] == {"value": 0.5, "source": "admin"}
     assert table["adaptive.steps"] == {"value": 3, "source": "admin"}
     assert table["adaptive.initial_steps"] == {"value": None, "source": "default"}

@@ -248,14 +248,14 @@ def test_one_unlucky_first_round_does_not_turn_drafting_off_at_the_end_of_the_wa
     for kept in [0] + [3] * 14:
         draft_s, verify_s = cost(3, per_step=0.004)  # drafting pays at 0.9 a draft, not at 0.5
         decisions.append(policy.observe(Observation(3, (kept,), (3,), draft_s, verify_s)))
-    assert policy.position_rates[0] == pytest.approx(14 / 15, abs=0.01)
+    assert policy.acceptance.rates[0] == pytest.approx(14 / 15, abs=0.01)
     assert [d for d in decisions if d is not None and d.steps == 0] == []
     assert policy.steps == 3
 
 
 def test_goodput_expected_tokens_from_position_rates():
     policy = GoodputPolicy(PolicyParams(strategy="goodput"), 3)
-    policy.position_rates = [0.8, 0.5]
+    policy.acceptance.rates = [0.8, 0.5]
     assert policy.expected_tokens(0) == 1.0
     assert policy.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.4)
     assert policy.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)  # deeper reuses the last rate
@@ -438,7 +438,7 @@ def test_position_rates_hold_steady_at_batch_1():
         while kept < 3 and draws.random() < 0.7:
             kept += 1
         policy.observe(Observation(3, (kept,), (3,), 0.002, 0.006, (DraftRecord((0.5,) * 3),)))
-        seen.append(policy.position_rates[0])
+        seen.append(policy.acceptance.rates[0])
     settled = seen[200:]
     mean = sum(settled) / len(settled)
     spread = (sum((r - mean) ** 2 for r in settled) / len(settled)) ** 0.5

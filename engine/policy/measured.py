@@ -1,0 +1,144 @@
+"""The measured strategy: each k's tokens per second, as rounds at it run, and a climb along the
+candidate ladder towards the fastest."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence as Seq
+
+from engine.policy.contracts import Decision, Observation
+from engine.policy.costs import STALL_FACTOR
+from engine.policy.params import PolicyParams
+from engine.policy.schedule import Schedule
+
+# Rounds a k's rate is taken over; the most probe intervals between tries of a neighbour; how many
+# of those spacings a rate stays current after its k last ran.
+WINDOW_ROUNDS = 32
+MAX_SPACING = 64
+FRESH_SPACINGS = 2
+
+
+class MeasuredPolicy(Schedule):
+    """Choose k by what each k was measured to serve: tokens per second of whole rounds, at the
+    batch size they ran at.
+
+    The policy keeps to the k measured fastest and now and then tries the candidates next to it on
+    the ladder, for `update_interval` rounds, since the traffic may have changed: a try that wins
+    is kept, one that loses is repeated only after as many rounds as keep what tries lose within
+    `exploration` of the serving time (a close neighbour is tried often, a far worse one seldom).
+    A try is charged all it cost, its first round included, in which a drafter left behind at
+    k = 0 catches up. Rates are kept per batch size, and a change of batch size returns to the
+    fastest k measured there. Nothing is modelled: the drafter, the verification rule, the
+    round's own work and the machine are all in the measurement.
+    """
+
+    def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
+        ladder = sorted(candidates if candidates is not None else params.candidate_steps)
+        # From the middle of the ladder, the fastest k is at most half of it away.
+        middle = ladder[(len(ladder) - 1) // 2]
+        super().__init__(params, initial_steps if initial_steps is not None else middle, candidates)
+        self.rounds = 0
+        self.batch_size = 1
+        # (k, batch size) -> the last WINDOW_ROUNDS rounds' (tokens, seconds), and the round last seen
+        self.windows: dict[tuple[int, int], tuple[deque[tuple[int, float]], int]] = {}
+        # (k, batch size) -> the round from which trying k again is due
+        self.due: dict[tuple[int, int], int] = {}
+        self.probe_from: int | None = None
+        self.trial = (0, 0.0)  # tokens and seconds of the current try's rounds
+        self.moved = False  # whether the next round is the first after a move
+
+    blind_at_zero = False  # k = 0 is measured like any other k
+
+    @property
+    def ema(self) -> float:
+        """Accepted drafts per sequence and round of the current k's recent rounds."""
+        window = self.windows.get((self._steps, self.batch_size))
+        if window is None or not window[0]:
+            return 0.0
+        return sum(tokens for tokens, _ in window[0]) / (len(window[0]) * self.batch_size) - 1
+
+    def rate(self, k: int, batch_size: int) -> float | None:
+        """Tokens per second of k's recent rounds at this batch size, while current; a round the
+        machine stalled in counts for at most STALL_FACTOR times the window's median."""
+        window = self.windows.get((k, batch_size))
+        if window is None or self.rounds - window[1] > FRESH_SPACINGS * MAX_SPACING * self.params.probe_interval:
+            return None
+        rounds = window[0]
+        most = STALL_FACTOR * statistics.median(seconds for _, seconds in rounds)
+        return sum(tokens for tokens, _ in rounds) / sum(min(seconds, most) for _, seconds in rounds)
+
+    def learn(self, observation: Observation) -> None:
+        self.rounds += 1
+        first, self.moved = self.moved, False
+        seconds = observation.round_seconds or observation.draft_seconds + observation.verify_seconds
+        if seconds <= 0:
+            return
+        tokens = sum(observation.accepted) + observation.batch_size
+        if self.probe_from is not None:
+            self.trial = (self.trial[0] + tokens, self.trial[1] + seconds)
+        if first:
+            return  # the move's own cost: charged to the try, not to the k's rate
+        key = (observation.k, observation.batch_size)
+        window = self.windows[key][0] if key in self.windows else deque(maxlen=WINDOW_ROUNDS)
+        window.append((tokens, seconds))
+        self.windows[key] = (window, self.rounds)
+
+    def observe(self, observation: Observation) -> Decision | None:
+        if observation.accepted and observation.batch_size != self.batch_size:
+            # Another batch size: what was measured there decides at once, and again one interval on.
+            self.batch_size = observation.batch_size
+            self.probe_from = None
+            self.learn(observation)
+            self.batches = self.params.warmup_batches
+            best = self._fastest(observation.batch_size)
+            return None if best is None or best == self._steps else self.move(best, "batch")
+        return super().observe(observation)
+
+    def _fastest(self, batch_size: int) -> int | None:
+        rates = {k: r for k in self.candidates if (r := self.rate(k, batch_size)) is not None}
+        return max(rates, key=rates.__getitem__) if rates else None
+
+    def decide(self, observation: Observation) -> Decision | None:
+        b, here = observation.batch_size, self._steps
+        if self.probe_from is not None:
+            return self._judge_try(b, tried=here, left=self.probe_from)
+        for k in self._neighbours(here):
+            if self.rounds >= self.due.get((k, b), 0):
+                self.probe_from, self.trial = here, (0, 0.0)
+                self.windows.pop((k, b), None)  # a try measures the present
+                return self.move(k, "probe")
+        return None
+
+    def _judge_try(self, b: int, tried: int, left: int) -> Decision | None:
+        self.probe_from = None
+        tried_rate, left_rate = self.rate(tried, b), self.rate(left, b)
+        if tried_rate is None or left_rate is None:
+            return self.move(left, "measured")
+        if tried_rate > left_rate * (1 + self.params.switch_margin):
+            for k in self._neighbours(tried):
+                self.due.pop((k, b), None)  # the traffic changed: look around the new k soon
+            return None
+        # What the try cost beyond serving its tokens at the rate left, in rounds of the k left:
+        # the next try comes when tries have lost at most `exploration` of the time.
+        tokens, seconds = self.trial
+        lost = max(0.0, seconds - tokens / left_rate)
+        rounds = self.windows[(left, b)][0]
+        round_seconds = sum(seconds for _, seconds in rounds) / len(rounds)
+        spacing = lost / (self.params.exploration * round_seconds)
+        spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
+        self.due[(tried, b)] = self.rounds + int(spacing)
+        return self.move(left, "measured")
+
+    def _neighbours(self, k: int) -> list[int]:
+        i = self.candidates.index(k)
+        return self.candidates[max(i - 1, 0) : i] + self.candidates[i + 1 : i + 2]
+
+    def move(self, k: int, reason: str) -> Decision:
+        self.moved = k != self._steps
+        return super().move(k, reason)
+
+    def set_steps(self, k: int) -> None:
+        super().set_steps(k)
+        self.probe_from = None
+        self.moved = True

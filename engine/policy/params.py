@@ -1,0 +1,85 @@
+"""The policy's parameters: what [adaptive] in the config sets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchSlot:
+    """Candidates used while the batch holds at least `min_batch_size` sequences."""
+
+    min_batch_size: int
+    candidate_steps: tuple[int, ...]
+
+
+# Each strategy's candidates where none are configured: SGLang's for ema, which drafts its k in
+# full; for goodput finer steps and a high ceiling, which its cutoff drafts up to only while
+# another draft pays (through repetitive text, a long way).
+DEFAULT_CANDIDATES = {"ema": (1, 3, 7), "goodput": (0, 1, 2, 3, 5, 7, 32), "measured": (0, 1, 2, 3, 5, 7)}
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    strategy: str = "ema"  # "ema" or "goodput"
+    candidate_steps: tuple[int, ...] = (1, 3, 7)
+    ema_alpha: float = 0.2
+    warmup_batches: int = 10
+    update_interval: int = 5
+    up_hysteresis: float = 0.0
+    down_hysteresis: float = -0.25
+    slots: tuple[BatchSlot, ...] = ()
+    # At k = 0 nothing is drafted, so nothing is learnt: every probe_interval rounds, try the
+    # smallest k > 0 for a while.
+    # Short: a dip in the estimate can send goodput to k = 0, where it learns nothing until the
+    # next probe (40 rounds held it there for a fifth of the transition workload at batch 1).
+    probe_interval: int = 10
+    # goodput: move only when the best k is expected to beat the current one by this fraction.
+    switch_margin: float = 0.05
+    # goodput: end a round's drafting early when the next draft is not worth its cost.
+    draft_cutoff: bool = True
+    # measured: the share of serving time that tries of another k may lose.
+    exploration: float = 0.02
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.strategy not in DEFAULT_CANDIDATES:
+            out.append(f"strategy must be one of {', '.join(DEFAULT_CANDIDATES)}, got {self.strategy!r}")
+        for name, steps in [("candidate_steps", self.candidate_steps)] + [
+            (f"slots[{i}].candidate_steps", s.candidate_steps) for i, s in enumerate(self.slots)
+        ]:
+            if not steps:
+                out.append(f"{name} must not be empty")
+            elif any(k < 0 for k in steps):
+                out.append(f"{name} must hold step counts >= 0, got {list(steps)}")
+            elif len(set(steps)) != len(steps):
+                out.append(f"{name} has duplicates: {list(steps)}")
+        if not 0 < self.ema_alpha <= 1:
+            out.append(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.warmup_batches < 0:
+            out.append(f"warmup_batches must be >= 0, got {self.warmup_batches}")
+        if self.update_interval < 1:
+            out.append(f"update_interval must be >= 1, got {self.update_interval}")
+        if self.probe_interval < 1:
+            out.append(f"probe_interval must be >= 1, got {self.probe_interval}")
+        if not 0 < self.exploration <= 1:
+            out.append(f"exploration must be in (0, 1], got {self.exploration}")
+        if self.switch_margin < 0:
+            out.append(f"switch_margin must be >= 0, got {self.switch_margin}")
+        sizes = [s.min_batch_size for s in self.slots]
+        if any(s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
+            out.append(f"slots need distinct min_batch_size >= 1, got {sizes}")
+        return out
+
+    @property
+    def all_steps(self) -> tuple[int, ...]:
+        """Every k any slot may choose: each needs a runtime state."""
+        steps = set(self.candidate_steps)
+        for slot in self.slots:
+            steps.update(slot.candidate_steps)
+        return tuple(sorted(steps))

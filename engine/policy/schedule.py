@@ -1,0 +1,90 @@
+"""What every strategy does alike around its own decision: warm-up, the decision interval,
+probing from k = 0, snapping to the candidates, and parameter swaps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from engine.policy.contracts import Decision, KeepDrafting, Observation, VerifyCurve, snap
+from engine.policy.params import PolicyParams
+
+
+class Schedule:
+    """A strategy's clock. After `warmup_batches` non-empty rounds, every `update_interval`
+    rounds, it asks the strategy's `decide`. At k = 0 nothing is drafted, so nothing is learnt:
+    after `probe_spacing` rounds there it moves to the strategy's `probe_steps` and decides again
+    one interval later. Empty rounds say nothing and are not counted. A new candidate list snaps
+    the current k onto it; everything learnt is kept across parameter swaps."""
+
+    # At k = 0 nothing is drafted, so a strategy that learns from drafts learns nothing there.
+    blind_at_zero = True
+    # Whether the first decision comes as the warm-up ends, or one interval later (SGLang's).
+    decides_at_warmup_end = False
+
+    def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
+        self.params = params
+        self.candidates = sorted(candidates if candidates is not None else params.candidate_steps)
+        self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
+        self.batches = 0  # rounds observed while drafting, towards warm-up and the next decision
+        self.rounds_at_zero = 0
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def ema(self) -> float:
+        """Expected accepted drafts per round at the current k."""
+        raise NotImplementedError
+
+    @property
+    def probe_spacing(self) -> int:
+        """Rounds at k = 0 before drafting is tried again."""
+        return self.params.probe_interval
+
+    def learn(self, observation: Observation) -> None:
+        """Take in a non-empty round, whatever its k."""
+
+    def probe_steps(self) -> int:
+        """The k to try after probe_spacing rounds at k = 0."""
+        return self.candidates[1]
+
+    def decide(self, observation: Observation) -> Decision | None:
+        """At a decision point: `move` to another k, or None to stay."""
+        raise NotImplementedError
+
+    def move(self, k: int, reason: str) -> Decision:
+        self._steps = k
+        self.rounds_at_zero = 0
+        return Decision(k, reason, self.ema)
+
+    def observe(self, observation: Observation) -> Decision | None:
+        if not observation.accepted:
+            return None
+        self.learn(observation)
+        if self._steps == 0 and self.blind_at_zero:
+            self.rounds_at_zero += 1
+            if self.rounds_at_zero < self.probe_spacing or len(self.candidates) == 1:
+                return None
+            self.batches = self.params.warmup_batches  # the warm-up was done long ago
+            return self.move(self.probe_steps(), "probe")
+        self.batches += 1
+        after_warmup = self.batches - self.params.warmup_batches
+        first = 0 if self.decides_at_warmup_end else 1
+        if after_warmup < first or after_warmup % self.params.update_interval:
+            return None
+        return self.decide(observation)
+
+    def set_steps(self, k: int) -> None:
+        self._steps = snap(k, self.candidates)
+        self.rounds_at_zero = 0
+
+    def update_params(self, params: PolicyParams) -> None:
+        current = self._steps
+        self.params = params
+        self.candidates = sorted(params.candidate_steps)
+        self.set_steps(current)
+
+    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
+        """What the drafter asks between draft steps this round, or None to draft the full k."""
+        return None

@@ -1,0 +1,77 @@
+"""A policy per batch-size range."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.policy.contracts import Decision, KeepDrafting, Observation, Policy, VerifyCurve
+from engine.policy.ema import EmaPolicy
+from engine.policy.goodput import GoodputPolicy
+from engine.policy.measured import MeasuredPolicy
+from engine.policy.params import PolicyParams
+
+STRATEGIES: dict[str, type[EmaPolicy] | type[GoodputPolicy] | type[MeasuredPolicy]] = {
+    "ema": EmaPolicy,
+    "goodput": GoodputPolicy,
+    "measured": MeasuredPolicy,
+}
+
+
+class SlottedPolicy:
+    """One inner policy per batch-size slot; the slot is the largest min_batch_size <= batch."""
+
+    def __init__(self, params: PolicyParams, initial_steps: int | None = None):
+        self.params = params
+        self.slots = self._build(params, initial_steps)
+        self.active = min(self.slots)
+
+    @staticmethod
+    def _build(params: PolicyParams, initial_steps: int | None) -> dict[int, Policy]:
+        slots = {s.min_batch_size: s.candidate_steps for s in params.slots}
+        slots.setdefault(1, params.candidate_steps)
+        make = STRATEGIES[params.strategy]
+        return {size: make(params, initial_steps, steps) for size, steps in slots.items()}
+
+    def slot_for(self, batch_size: int) -> int:
+        return max((s for s in self.slots if s <= max(batch_size, 1)), default=min(self.slots))
+
+    @property
+    def steps(self) -> int:
+        return self.slots[self.active].steps
+
+    @property
+    def ema(self) -> float:
+        return self.slots[self.active].ema
+
+    def observe(self, observation: Observation) -> Decision | None:
+        if not observation.accepted:
+            return None
+        slot = self.slot_for(observation.batch_size)
+        moved = slot != self.active
+        self.active = slot
+        decision = self.slots[slot].observe(observation)
+        if decision is None and moved:
+            return Decision(self.steps, "slot", self.ema)
+        return decision
+
+    def set_steps(self, k: int) -> None:
+        self.slots[self.active].set_steps(k)
+
+    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
+        return self.slots[self.active].draft_cutoff(verify_curve)
+
+    def update_params(self, params: PolicyParams) -> None:
+        if params.strategy != self.params.strategy or {s.min_batch_size for s in params.slots} != {
+            s.min_batch_size for s in self.params.slots
+        }:
+            # Another strategy or other slot boundaries: start afresh from the current k.
+            current = self.steps
+            self.params = params
+            self.slots = self._build(params, current)
+            self.active = min(self.slots)
+            return
+        self.params = params
+        lists = {s.min_batch_size: s.candidate_steps for s in params.slots}
+        lists.setdefault(1, params.candidate_steps)
+        for size, policy in self.slots.items():
+            policy.update_params(replace(params, candidate_steps=lists[size]))

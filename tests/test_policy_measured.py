@@ -1,0 +1,124 @@
+"""The measured strategy, through its public interface: rounds observed, decisions read."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import replace
+
+from engine.policy import MeasuredPolicy, Observation, PolicyParams, make_policy
+
+LADDER = PolicyParams(strategy="measured", candidate_steps=(0, 1, 2, 3, 5, 7))
+
+
+def traffic(acceptance: float, draft_step: float = 0.0004, verify_token: float = 0.0002) -> Callable:
+    """A round of k drafts a sequence at batch b: each draft kept with chance `acceptance` while
+    every one before it was; the round costs a verify of b * (k + 1) tokens on 2 ms of fixed cost,
+    and k draft steps."""
+
+    def serve(k: int, b: int, rng: random.Random) -> Observation:
+        accepted = []
+        for _ in range(b):
+            kept = 0
+            while kept < k and rng.random() < acceptance:
+                kept += 1
+            accepted.append(kept)
+        seconds = 0.002 + verify_token * b * (k + 1) + draft_step * k
+        return Observation(k, tuple(accepted), (k,) * b, round_seconds=seconds * rng.uniform(0.97, 1.03))
+
+    return serve
+
+
+def tokens_per_second(serve: Callable, k: int, b: int, rounds: int = 4000) -> float:
+    rng = random.Random(1)
+    observations = [serve(k, b, rng) for _ in range(rounds)]
+    return sum(sum(o.accepted) + b for o in observations) / sum(o.round_seconds for o in observations)
+
+
+def run(policy: MeasuredPolicy, serve: Callable, rounds: int, batch_size: int = 1, seed: int = 0) -> list[Observation]:
+    """Serve `rounds` rounds at the policy's k; return them."""
+    rng = random.Random(seed)
+    served = []
+    for _ in range(rounds):
+        served.append(serve(policy.steps, batch_size, rng))
+        policy.observe(served[-1])
+    return served
+
+
+def rate(rounds: list[Observation]) -> float:
+    return sum(sum(o.accepted) + o.batch_size for o in rounds) / sum(o.round_seconds for o in rounds)
+
+
+def best_static(serve: Callable, batch_size: int) -> float:
+    return max(tokens_per_second(serve, k, batch_size) for k in LADDER.candidate_steps)
+
+
+def test_it_climbs_to_a_k_as_fast_as_the_best_static_one():
+    serve = traffic(0.85)
+    served = run(MeasuredPolicy(LADDER), serve, 800)
+    assert tokens_per_second(serve, 5, 1) > 1.15 * tokens_per_second(serve, 1, 1)  # the k matters here
+    assert rate(served[-400:]) >= 0.95 * best_static(serve, 1)
+
+
+def test_where_drafting_never_pays_it_stays_at_zero_and_tries_drafting_seldom():
+    serve = traffic(0.05)
+    served = run(MeasuredPolicy(LADDER), serve, 1000, batch_size=4)
+    ks = [o.k for o in served[-600:]]
+    assert ks.count(0) >= 0.9 * len(ks)
+    assert 1 in ks  # it still looks now and then
+    assert rate(served[-600:]) >= 0.97 * tokens_per_second(serve, 0, 4)
+
+
+def test_it_follows_the_traffic_from_high_acceptance_to_hopeless_and_back():
+    policy = MeasuredPolicy(LADDER)
+    high, hopeless = traffic(0.9), traffic(0.02)
+    run(policy, high, 400)
+    drafting = run(policy, high, 200, seed=3)
+    assert rate(drafting) >= 0.95 * best_static(high, 1)
+    run(policy, hopeless, 300, seed=1)
+    plain = run(policy, hopeless, 200, seed=4)
+    assert rate(plain) >= 0.95 * best_static(hopeless, 1)
+    run(policy, high, 300, seed=2)
+    again = run(policy, high, 200, seed=5)
+    assert rate(again) >= 0.9 * best_static(high, 1) > 1.5 * tokens_per_second(high, 0, 1)
+
+
+def test_its_share_of_time_on_tries_that_lose_shrinks_with_its_exploration_budget():
+    serve = traffic(0.05)
+    shares = []
+    for exploration in (0.05, 0.005):
+        policy = MeasuredPolicy(replace(LADDER, exploration=exploration, candidate_steps=(0, 1)), initial_steps=0)
+        ks = [o.k for o in run(policy, serve, 3000, batch_size=4)[500:]]
+        shares.append(ks.count(1) / len(ks))
+    assert shares[1] < shares[0] <= 0.15
+
+
+def test_each_batch_size_keeps_its_own_rates_and_a_change_returns_to_the_fastest_measured_there():
+    serve = traffic(0.7, verify_token=0.0012)  # verifying is dear: drafting pays alone, not at batch 8
+    assert tokens_per_second(serve, 0, 8) > tokens_per_second(serve, 1, 8)
+    assert tokens_per_second(serve, 2, 1) > tokens_per_second(serve, 0, 1)
+    policy = MeasuredPolicy(LADDER)
+    run(policy, serve, 400, batch_size=1)
+    alone = policy.steps
+    assert alone > 0
+    run(policy, serve, 400, batch_size=8)
+    assert policy.steps == 0
+    decision = policy.observe(serve(policy.steps, 1, random.Random(3)))
+    assert decision is not None and decision.reason == "batch" and policy.steps > 0
+
+
+def test_a_parameter_swap_keeps_what_was_measured_and_snaps_k():
+    serve = traffic(0.85)
+    policy = MeasuredPolicy(LADDER)
+    run(policy, serve, 400)
+    before = policy.steps
+    policy.update_params(replace(LADDER, exploration=0.05, candidate_steps=(0, 2, 4, 6)))
+    assert policy.steps in (0, 2, 4, 6) and abs(policy.steps - before) <= 1
+    assert policy.rate(before, 1) is not None  # the rates measured so far are kept
+    served = run(policy, serve, 400, seed=1)
+    assert {o.k for o in served} <= {0, 2, 4, 6}
+
+
+def test_make_policy_builds_it_from_the_config_name():
+    assert isinstance(make_policy(LADDER), MeasuredPolicy)
+    assert make_policy(LADDER).steps == 2  # the middle of the ladder: the best k is at most half of it away
