@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
+import structlog
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskStatus
 
-from daemon.logs import get_logger
-
-log = get_logger("adaspec.admin")
+log = structlog.get_logger("adaspec.admin")
 
 # struct ucred: pid, uid, gid.
 _UCRED = struct.Struct("3i")

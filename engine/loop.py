@@ -31,7 +31,6 @@ class LoopStats:
     verified: int = 0
     accepted: int = 0
     tokens_per_s: float = 0.0  # smoothed over recent busy time
-    started: float = 0.0
 
     @property
     def mean_accepted_drafts(self) -> float:
@@ -44,7 +43,7 @@ class EngineLoop:
         self.on_step = on_step  # called on the engine thread with every StepResult (metrics)
         self.engine = controller.engine
         self.idle_wait = idle_wait
-        self.stats = LoopStats(started=time.time())
+        self.stats = LoopStats()
         self.heartbeat = time.monotonic()
         self._callbacks: dict[str, OutputCallback] = {}
         self._lock = threading.Lock()

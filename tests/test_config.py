@@ -81,6 +81,31 @@ def test_shipped_config_documents_every_key():
             assert commented, f"{section}.{name} has no comment above or beside it"
 
 
+def test_the_default_config_toml_states_is_the_schemas():
+    """Every key with a fixed default says it in its comment ("Default X."), as the schema has it."""
+    lines = SHIPPED.read_text().splitlines()
+
+    def toml(value: object) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            return f'"{value}"'
+        if isinstance(value, tuple):
+            return "[" + ", ".join(map(str, value)) + "]"
+        return repr(value)
+
+    for section, spec in SCHEMA.items():
+        start = lines.index(next(line for line in lines if line.startswith(f"[{section}]")))
+        for name, key in spec.keys.items():
+            if callable(key.default) or key.default is None or key.kind == "slots":
+                continue  # computed, optional, or a table: said in words
+            at = next(i for i in range(start, len(lines)) if re.match(rf"#?\s*{name}\s*=", lines[i]))
+            above = []
+            while lines[at - 1 - len(above)].startswith("#"):
+                above.append(lines[at - 1 - len(above)].lstrip("# "))
+            assert f"Default {toml(key.default)}" in " ".join(reversed(above)), f"{section}.{name}"
+
+
 def test_every_schema_key_is_a_settings_field():
     for section, spec in SCHEMA.items():
         names = {f.name for f in dataclasses.fields(spec.settings)}
