@@ -92,3 +92,18 @@ def tiny_pair(root: Path, native_forward: bool = True):
 def pair(tmp_path_factory):
     """A tiny target and a draft that mostly agrees with it."""
     return tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama with a vocabulary of 64, loaded from safetensors."""
+    from engine.checkpoint import load_checkpoint
+
+    return load_checkpoint(save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path_factory.mktemp("tiny")))
+
+
+def forward_one(model, cache, slot, tokens):
+    """The logits of every token in `tokens`, fed to one cache slot."""
+    from engine.model import ForwardBatch
+
+    return model(ForwardBatch.build(cache, [slot], [tokens]), cache).logits[0]

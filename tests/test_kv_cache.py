@@ -5,58 +5,48 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint import load_checkpoint
 from engine.kv_cache import CacheFullError
 from engine.model import ForwardBatch
-from tests.conftest import save_tiny, tiny_hf_model
+from tests.conftest import forward_one
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return load_checkpoint(save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path_factory.mktemp("tiny")))
-
-
-def run(model, cache, slot, tokens):
-    return model(ForwardBatch.build(cache, [slot], [tokens]), cache).logits[0]
-
-
-def test_rollback_then_continue_equals_never_having_drafted(checkpoint):
-    model = checkpoint.model
+def test_rollback_then_continue_equals_never_having_drafted(tiny_llama):
+    model = tiny_llama.model
     cache = model.new_cache(2, 64)
     clean, drafted = cache.allocate(), cache.allocate()
-    run(model, cache, clean, [3, 4, 5, 6])
-    run(model, cache, drafted, [3, 4, 5, 6])
-    run(model, cache, drafted, [40, 41, 42])  # a rejected draft
+    forward_one(model, cache, clean, [3, 4, 5, 6])
+    forward_one(model, cache, drafted, [3, 4, 5, 6])
+    forward_one(model, cache, drafted, [40, 41, 42])  # a rejected draft
     cache.rollback(drafted, 3)
     assert cache.lengths[drafted] == 4
-    after_clean = run(model, cache, clean, [7, 8])
-    after_rollback = run(model, cache, drafted, [7, 8])
+    after_clean = forward_one(model, cache, clean, [7, 8])
+    after_rollback = forward_one(model, cache, drafted, [7, 8])
     torch.testing.assert_close(after_rollback, after_clean, atol=0, rtol=0)
     n = cache.lengths[clean]
     torch.testing.assert_close(cache.keys(drafted)[:, :n], cache.keys(clean)[:, :n], atol=0, rtol=0)
 
 
-def test_slots_are_freed_and_reused(checkpoint):
-    cache = checkpoint.model.new_cache(2, 16)
+def test_slots_are_freed_and_reused(tiny_llama):
+    cache = tiny_llama.model.new_cache(2, 16)
     a, b = cache.allocate(), cache.allocate()
     with pytest.raises(CacheFullError):
         cache.allocate()
-    run(checkpoint.model, cache, a, [3, 4, 5])
+    forward_one(tiny_llama.model, cache, a, [3, 4, 5])
     cache.release(a)
     again = cache.allocate()
     assert again == a and cache.lengths[again] == 0
     assert b != a
 
 
-def test_sequence_longer_than_the_cache_is_refused(checkpoint):
-    cache = checkpoint.model.new_cache(1, 8)
+def test_sequence_longer_than_the_cache_is_refused(tiny_llama):
+    cache = tiny_llama.model.new_cache(1, 8)
     slot = cache.allocate()
     with pytest.raises(ValueError, match="exceed max_seq_len 8"):
         ForwardBatch.build(cache, [slot], [list(range(9))])
 
 
-def test_batch_on_non_contiguous_slots_matches_contiguous(checkpoint):
-    model = checkpoint.model
+def test_batch_on_non_contiguous_slots_matches_contiguous(tiny_llama):
+    model = tiny_llama.model
     cache = model.new_cache(4, 32)
     slots = [cache.allocate() for _ in range(4)]
     prompts = [[3, 4, 5], [9, 10], [11, 12, 13, 14], [5]]

@@ -7,27 +7,16 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.checkpoint import load_checkpoint
 from engine.generate import generate
-from engine.model import ForwardBatch
 from engine.sampling import SamplingParams, sample, target_probs
-from tests.conftest import save_tiny, tiny_hf_model
+from tests.conftest import forward_one
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return load_checkpoint(save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path_factory.mktemp("tiny")))
-
-
-def run(model, cache, slot, tokens):
-    return model(ForwardBatch.build(cache, [slot], [tokens]), cache).logits[0]
-
-
-def test_same_seed_same_text_and_different_seed_differs(checkpoint):
+def test_same_seed_same_text_and_different_seed_differs(tiny_llama):
     params = SamplingParams(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True)
-    first = generate(checkpoint, [[3, 4]], params)[0].tokens
-    again = generate(checkpoint, [[3, 4]], params)[0].tokens
-    other = generate(checkpoint, [[3, 4]], SamplingParams(max_tokens=32, temperature=1.0, seed=8, ignore_eos=True))
+    first = generate(tiny_llama, [[3, 4]], params)[0].tokens
+    again = generate(tiny_llama, [[3, 4]], params)[0].tokens
+    other = generate(tiny_llama, [[3, 4]], SamplingParams(max_tokens=32, temperature=1.0, seed=8, ignore_eos=True))
     assert first == again
     assert other[0].tokens != first
 
@@ -58,18 +47,18 @@ def test_top_p_keeps_the_smallest_prefix_of_the_sorted_vocabulary(top_p, spread)
     assert torch.allclose(got, expected, atol=1e-7)
 
 
-def test_sampled_tokens_follow_the_distribution(checkpoint):
+def test_sampled_tokens_follow_the_distribution(tiny_llama):
     """Target-only sampling of the first token matches softmax(logits / T) (chi-square)."""
     prompt = [3, 4, 5]
-    cache = checkpoint.model.new_cache(1, 8)
+    cache = tiny_llama.model.new_cache(1, 8)
     slot = cache.allocate()
     with torch.no_grad():
-        probs = target_probs(run(checkpoint.model, cache, slot, prompt)[-1], SamplingParams(temperature=0.8))
+        probs = target_probs(forward_one(tiny_llama.model, cache, slot, prompt)[-1], SamplingParams(temperature=0.8))
     draws = 1500
     counts = Counter()
     for seed in range(draws):
         params = SamplingParams(max_tokens=1, temperature=0.8, seed=seed, ignore_eos=True)
-        counts[generate(checkpoint, [prompt], params)[0].tokens[0]] += 1
+        counts[generate(tiny_llama, [prompt], params)[0].tokens[0]] += 1
     expected = probs * draws
     keep = expected >= 5
     observed = torch.tensor([counts[i] for i in range(len(probs))], dtype=torch.float)
@@ -101,14 +90,14 @@ def test_sample_with_a_seeded_generator_repeats_itself():
     assert len(set(first)) == 1 and runs == again and len(set(runs)) > 1
 
 
-def test_eos_stops_generation(checkpoint):
+def test_eos_stops_generation(tiny_llama):
     params = SamplingParams(max_tokens=40)
-    full = generate(checkpoint, [[3, 4]], SamplingParams(max_tokens=40, ignore_eos=True))[0].tokens
+    full = generate(tiny_llama, [[3, 4]], SamplingParams(max_tokens=40, ignore_eos=True))[0].tokens
     eos = full[5]
-    checkpoint.eos_token_ids = frozenset({eos})
+    tiny_llama.eos_token_ids = frozenset({eos})
     try:
-        stopped = generate(checkpoint, [[3, 4]], params)[0]
+        stopped = generate(tiny_llama, [[3, 4]], params)[0]
     finally:
-        checkpoint.eos_token_ids = frozenset()
+        tiny_llama.eos_token_ids = frozenset()
     assert stopped.tokens == full[: full.index(eos) + 1]
     assert stopped.finish_reason == "stop"

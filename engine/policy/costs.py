@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.policy.contracts import Observation
@@ -14,6 +16,14 @@ from engine.policy.contracts import Observation
 # A lasting change of speed still comes through, at about the pace the fits forget anyway: after
 # the machine turned three times slower, prices were within a fifth of the new ones in 80 rounds.
 STALL_FACTOR = 4.0
+
+
+def window_rate(rounds: Seq[tuple[int, float]]) -> float:
+    """Tokens per second of recent (tokens, seconds) rounds: their tokens over their seconds (a
+    mean of per-round rates would weigh a round of 1 token as much as one of 6), each round held
+    to STALL_FACTOR times the median, so that a few rounds the machine stalled in do not move it."""
+    most = STALL_FACTOR * statistics.median(seconds for _, seconds in rounds)
+    return sum(tokens for tokens, _ in rounds) / sum(min(seconds, most) for _, seconds in rounds)
 
 
 def recent_low(low: float, value: float, decay: float) -> float:

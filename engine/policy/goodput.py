@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
 from engine.policy.acceptance import ChainAcceptance
 from engine.policy.calibration import Calibration, LookupCalibration
 from engine.policy.contracts import Decision, DraftChain, KeepDrafting, Observation, VerifyCurve
-from engine.policy.costs import STALL_FACTOR, CostModel
+from engine.policy.costs import CostModel, window_rate
 from engine.policy.cutoff import RoundCutoff
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import Schedule
@@ -128,9 +127,7 @@ class GoodputPolicy(Schedule):
         """Tokens per second of recent rounds that drafted (or did not) at this batch size, while fresh."""
         if not self._fresh(drafted, batch_size):
             return None
-        rounds = self.arms[(drafted, batch_size)][0]
-        most = STALL_FACTOR * statistics.median(seconds for _, seconds in rounds)
-        return sum(tokens for tokens, _ in rounds) / sum(min(seconds, most) for _, seconds in rounds)
+        return window_rate(self.arms[(drafted, batch_size)][0])
 
     def _measure_throughput(self, observation: Observation) -> None:
         # The whole round: the work between draft and verify is paid per round too, so a round

@@ -3,12 +3,11 @@ candidate ladder towards the fastest."""
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
 from engine.policy.contracts import Decision, Observation
-from engine.policy.costs import STALL_FACTOR
+from engine.policy.costs import window_rate
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import Schedule
 
@@ -64,9 +63,7 @@ class MeasuredPolicy(Schedule):
         window = self.windows.get((k, batch_size))
         if window is None or self.rounds - window[1] > FRESH_SPACINGS * MAX_SPACING * self.params.probe_interval:
             return None
-        rounds = window[0]
-        most = STALL_FACTOR * statistics.median(seconds for _, seconds in rounds)
-        return sum(tokens for tokens, _ in rounds) / sum(min(seconds, most) for _, seconds in rounds)
+        return window_rate(window[0])
 
     def learn(self, observation: Observation) -> None:
         self.rounds += 1
