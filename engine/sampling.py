@@ -75,7 +75,7 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     log = rows.log()
     depth = (log.max(dim=-1, keepdim=True).values - log).mul_(BUCKETS_PER_NAT)
     bucket = depth.clamp_(max=BUCKETS - 1).long()  # a zero probability (infinitely deep) goes last
-    mass = torch.zeros(rows.shape[0], BUCKETS, dtype=rows.dtype).scatter_add_(1, bucket, rows)
+    mass = torch.zeros(rows.shape[0], BUCKETS, dtype=rows.dtype, device=rows.device).scatter_add_(1, bucket, rows)
     below = mass.cumsum(dim=1) - mass  # the mass of every bucket above each bucket
     crossing = (below < top_p).sum(dim=1, keepdim=True) - 1  # the last bucket with less above it
     kept = torch.where(bucket < crossing, rows, 0.0)

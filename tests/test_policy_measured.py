@@ -32,7 +32,7 @@ def traffic(acceptance: float, draft_step: float = 0.0004, verify_token: float =
 def tokens_per_second(serve: Callable, k: int, b: int, rounds: int = 4000) -> float:
     rng = random.Random(1)
     observations = [serve(k, b, rng) for _ in range(rounds)]
-    return sum(sum(o.accepted) + b for o in observations) / sum(o.round_seconds for o in observations)
+    return sum(o.tokens for o in observations) / sum(o.round_seconds for o in observations)
 
 
 def run(policy: MeasuredPolicy, serve: Callable, rounds: int, batch_size: int = 1, seed: int = 0) -> list[Observation]:
@@ -46,7 +46,7 @@ def run(policy: MeasuredPolicy, serve: Callable, rounds: int, batch_size: int = 
 
 
 def rate(rounds: list[Observation]) -> float:
-    return sum(sum(o.accepted) + o.batch_size for o in rounds) / sum(o.round_seconds for o in rounds)
+    return sum(o.tokens for o in rounds) / sum(o.round_seconds for o in rounds)
 
 
 def best_static(serve: Callable, batch_size: int) -> float:

@@ -29,6 +29,16 @@ class Observation:
         return len(self.accepted)
 
     @property
+    def tokens(self) -> int:
+        """Tokens the round emitted: each request's accepted drafts and the target's own token."""
+        return sum(self.accepted) + self.batch_size
+
+    @property
+    def seconds(self) -> float:
+        """The round's wall time, or its draft and verify time where that is not known."""
+        return self.round_seconds or self.draft_seconds + self.verify_seconds
+
+    @property
     def verify_tokens(self) -> int:
         """Tokens the verify forward checked: each request's drafts and the token before them."""
         return sum(self.proposed) + self.batch_size

@@ -64,10 +64,7 @@ class GoodputPolicy(Schedule):
         # the warm-up's, while the cutoff's calibration is still learning), and the round last
         # seen (`costs.rounds`). Whether to draft at all is decided on these measured rates where
         # both are fresh: a cost model fitted on drafting rounds alone cannot price a round
-        # without. A rate is the window's tokens over its seconds (a median of per-round rates
-        # would undercount drafting, whose rounds emit 1 token or 6 at about the same cost), each
-        # round's seconds held to STALL_FACTOR times the window's median, so a few stalled rounds
-        # do not move it.
+        # without. Their rates are `window_rate`'s.
         self.arms: dict[tuple[bool, int], tuple[deque[tuple[int, float]], int]] = {}
         # The choice not taken is tried every probe_interval * backoff rounds; a probe that loses
         # doubles the spacing, one that wins resets it. probe_from: the k a probe left.
@@ -132,10 +129,9 @@ class GoodputPolicy(Schedule):
     def _measure_throughput(self, observation: Observation) -> None:
         # The whole round: the work between draft and verify is paid per round too, so a round
         # saved by drafting deeper saves it as well.
-        seconds = observation.round_seconds or observation.draft_seconds + observation.verify_seconds
+        seconds, tokens = observation.seconds, observation.tokens
         if seconds <= 0:
             return
-        tokens = sum(observation.accepted) + observation.batch_size
         old_tokens, old_seconds, old_rounds = self.served.get(observation.batch_size, (0.0, 0.0, 0.0))
         self.served[observation.batch_size] = (
             0.95 * old_tokens + tokens,

@@ -68,10 +68,9 @@ class MeasuredPolicy(Schedule):
     def learn(self, observation: Observation) -> None:
         self.rounds += 1
         first, self.moved = self.moved, False
-        seconds = observation.round_seconds or observation.draft_seconds + observation.verify_seconds
+        seconds, tokens = observation.seconds, observation.tokens
         if seconds <= 0:
             return
-        tokens = sum(observation.accepted) + observation.batch_size
         if self.probe_from is not None:
             self.trial = (self.trial[0] + tokens, self.trial[1] + seconds)
         if first:
