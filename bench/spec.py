@@ -1,7 +1,7 @@
 """Run a workload against the engine in-process, once per mode, and compare them.
 
     python -m bench.spec --workload bench/workloads/transition.jsonl \\
-        --modes none,static:1,static:3,static:7,adaptive:ema,adaptive:goodput \\
+        --modes none,static:1,static:3,static:7,adaptive:ema,adaptive:measured \\
         [--concurrency N] [--config FILE] [--json OUT] [--plot OUT.png]
     python -m bench.spec --workload bench/workloads/transition.jsonl --url http://127.0.0.1:8000 \\
         [--concurrency N] [--json OUT]
@@ -11,10 +11,10 @@ A workload is JSON Lines, one request per line: "prompt", "max_tokens", and opti
 down by) and "arrival_s" (open loop: not submitted before that offset). Without arrival times the
 run is closed-loop: --concurrency requests in flight, the next one submitted as one finishes.
 
-Modes: `none` (target only), `static:K` (a fixed k), `adaptive:ema`, `adaptive:goodput` (the
+Modes: `none` (target only), `static:K` (a fixed k), `adaptive:measured`, `adaptive:ema` (the
 config's [adaptive] parameters with that strategy, and that strategy's default candidates where the
 config has the default; `+NAME=VALUE` overrides one more parameter, as in
-`adaptive:goodput+draft_cutoff=false`). Every mode serves the same requests on the same
+`adaptive:measured+exploration=0.01`). Every mode serves the same requests on the same
 loaded models in this process, side by side: the modes take turns a round at a time, and each
 is timed by its own rounds, so a change in the machine's speed is shared by all of them.
 A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
@@ -45,7 +45,7 @@ from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller
 from engine.core import Engine
 from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
-from engine.policy import DEFAULT_CANDIDATES, PolicyParams, VerifyCurve
+from engine.policy import DEFAULT_CANDIDATES, PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
@@ -171,26 +171,12 @@ def build_controller(
             # The config left the candidates to its strategy: another strategy runs its own.
             settings.setdefault("candidate_steps", DEFAULT_CANDIDATES[strategy])
         policy = replace(params, strategy=strategy, **settings)
-        adaptive = engine(drafter_factory(), policy.all_steps, max(policy.all_steps))
-        adaptive.verify_curve = verify_curve(adaptive)
-        return Controller(adaptive, policy)
-    raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:ema or adaptive:goodput")
-
-
-_verify_curves: dict[tuple[int, int], VerifyCurve | None] = {}
-
-
-def verify_curve(engine: Engine) -> VerifyCurve | None:
-    """The engine's verify curve, timed once a process for a model and batch size, as the daemon
-    times it once at start (the modes and repeats of a run share it)."""
-    key = (id(engine.model), engine.max_batch_size)
-    if key not in _verify_curves:
-        _verify_curves[key] = engine.measure_verify_curve()
-    return _verify_curves[key]
+        return Controller(engine(drafter_factory(), policy.all_steps, max(policy.all_steps)), policy)
+    raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:measured or adaptive:ema")
 
 
 def parse_override(text: str) -> tuple[str, object]:
-    """`name=value` of a policy parameter, as in adaptive:goodput+draft_cutoff=false, or of the
+    """`name=value` of a policy parameter, as in adaptive:measured+exploration=0.01, or of the
     engine's `verification` (any mode: static:3+verification=token); a list of step counts is
     written with slashes: candidate_steps=0/3/7."""
     name, _, value = text.partition("=")
@@ -472,7 +458,7 @@ def plot(reports: dict[str, ModeReport], out: Path, window: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", type=Path, required=True)
-    parser.add_argument("--modes", default="none,static:1,static:3,static:7,adaptive:ema,adaptive:goodput")
+    parser.add_argument("--modes", default="none,static:1,static:3,static:7,adaptive:ema,adaptive:measured")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument(
         "--config",

@@ -1,7 +1,7 @@
 """Every workload of the suite, every mode side by side, and how adapting k compares overall.
 
     python -m bench.suite [--split heldout] [--concurrency 1,4] [--config config.toml]
-        [--modes none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:goodput]
+        [--modes none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured]
         [--repeats 1] [--json OUT] [--plots DIR]
 
 Runs each workload of bench/workloads/suite/ (NAME.SPLIT.jsonl; --split tune, heldout or all)
@@ -29,7 +29,7 @@ from engine.checkpoint import load_checkpoint
 from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
 
 SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
-MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:goodput,adaptive:measured"
+MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured"
 
 
 def geomean(values: list[float]) -> float:

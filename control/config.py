@@ -122,9 +122,14 @@ class Key:
     hi: float | None = None
     lo_open: bool = False  # lo itself is excluded
     choices: tuple[str, ...] = ()
+    retired: Mapping[str, str] = field(default_factory=dict)  # choices no longer offered -> what instead
     pattern: str | None = None  # a str value must fully match this regex ...
     pattern_doc: str = ""  # ... described like this in errors
     bounded_by_max_steps: bool = False  # holds step counts k, each of which needs a runtime state
+
+
+# Keys an older config may still hold, and what to do about each.
+RETIRED_KEYS = {"adaptive.draft_cutoff": "it belonged to the goodput strategy, which was removed; delete the line"}
 
 
 @dataclass(frozen=True)
@@ -192,8 +197,9 @@ SCHEMA: Mapping[str, Section] = {
     "adaptive": Section(AdaptiveSettings, live=True, doc="the step-count policy", keys={
         "enabled": Key("bool", True, "adapt k to the acceptance rate; false = always static_steps"),
         "static_steps": Key("int", 3, "k used when enabled = false", lo=0, bounded_by_max_steps=True),
-        "strategy": Key("str", "measured", "policy: goodput (cost-aware), measured (climbs to the k measured"
-                        " fastest) or ema (SGLang ladder)", choices=("goodput", "measured", "ema")),
+        "strategy": Key("str", "measured", "policy: measured (climbs to the k measured fastest) or ema"
+                        " (SGLang ladder)", choices=("measured", "ema"),
+                        retired={"goodput": "'measured' replaced it"}),
         "candidate_steps": Key("steps", _default_candidates, "step counts k the policy chooses from", lo=0,
                                bounded_by_max_steps=True),
         "initial_steps": Key("int", None, "k to start with; default: by strategy", lo=0,
@@ -205,9 +211,8 @@ SCHEMA: Mapping[str, Section] = {
         "up_hysteresis": Key("float", 0.0, "ema: extra margin needed to move up a tier"),
         "down_hysteresis": Key("float", -0.25, "ema: margin (usually negative) before moving down a tier"),
         "probe_interval": Key("int", 10, "fewest rounds between tries of another k", lo=1),
-        "switch_margin": Key("float", 0.05, "measured, goodput: fraction by which a k must beat the current one",
+        "switch_margin": Key("float", 0.05, "measured: fraction by which a tried k must beat the current one",
                              lo=0),
-        "draft_cutoff": Key("bool", True, "goodput: stop a round's drafting once another draft is not worth it"),
         "exploration": Key("float", 0.02, "measured: share of serving time tries of other k's may lose",
                            lo=0, lo_open=True, hi=1),
         "slots": Key("slots", (), "candidate lists by batch size ([[adaptive.slots]])"),
@@ -410,6 +415,9 @@ def _check_table(
     invalid: set[str] = set()
     for name, value in table.items():
         path = f"{prefix}.{name}"
+        if path in RETIRED_KEYS:
+            issues.append(ConfigIssue(path, f"no longer exists: {RETIRED_KEYS[path]}"))
+            continue
         if name not in keys:
             issues.append(ConfigIssue(path, f"unknown key{_suggest(name, keys)}"))
             continue
@@ -434,6 +442,8 @@ def _check_value(key: Key, value: Any) -> Any:
     value = _CONVERT[key.kind](value)
     if key.pattern and not re.fullmatch(key.pattern, value):
         raise _Invalid(f"must be {key.pattern_doc}, got {value!r}")
+    if value in key.retired:
+        raise _Invalid(f"{value!r} is no longer offered: {key.retired[value]}")
     if key.choices and value not in key.choices:
         listed = ", ".join(repr(c) for c in key.choices)
         raise _Invalid(f"must be one of {listed}, got {value!r}{_suggest(value, key.choices)}")

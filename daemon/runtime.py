@@ -75,7 +75,6 @@ def build_engine(
         max_steps=settings.max_steps,
         verification=settings.verification,
     )
-    engine.measure_verify_curve()  # for the draft cutoff, where the forward runs eagerly
     adaptive = snapshot.adaptive
     if drafter is None:
         plain = replace(adaptive.policy, candidate_steps=(0,), slots=())

@@ -188,10 +188,6 @@ class Controller:
         """Apply queued control messages, then run one round with the chosen state."""
         self.apply_pending()
         self.engine.select(self._steps)
-        # A pinned, forced or static k drafts exactly k: only the policy's own choice is cut short.
-        self.engine.keep_drafting = (
-            self.policy.draft_cutoff(self.engine.verify_curve) if self.mode_name == "adaptive" else None
-        )
         started = time.perf_counter()
         result = self.engine.step()
         round_seconds = time.perf_counter() - started - result.prefill_seconds
@@ -205,7 +201,6 @@ class Controller:
                     draft_seconds=result.draft_seconds,
                     verify_seconds=result.verify_seconds,
                     round_seconds=round_seconds,
-                    chains=tuple(o.draft for o in verified),
                 )
             )
         else:

@@ -11,8 +11,6 @@ k means selecting another built state between steps, never building one inside a
 from __future__ import annotations
 
 import queue
-import random
-import statistics
 import threading
 import time
 from collections import deque
@@ -27,7 +25,6 @@ from engine.checkpoint import Checkpoint
 from engine.detokenize import OutputText
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
 from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
-from engine.policy import DraftRecord, KeepDrafting, VerifyCurve
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
 from engine.verify import CHAIN_RULES, verify
@@ -73,7 +70,6 @@ class SequenceOutput:
     drafts_proposed: int
     drafts_accepted: int
     verified: bool  # took part in the round (False for the first token, from the prefill)
-    draft: DraftRecord = DraftRecord()  # what the policy learns from the drafts
 
 
 @dataclass
@@ -124,16 +120,8 @@ class Engine:
             if isinstance(drafter, DraftModelDrafter):
                 self.draft_graph_runner = GraphRunner(drafter.model, drafter.cache, self.backend, sizes)
         self.round = 0
-        # Asked by the drafter between draft steps whether to go on (see engine/drafters.py);
-        # None drafts the full k. Swapped only between steps, like the state.
-        self.keep_drafting: KeepDrafting | None = None
-        self.verify_curve: VerifyCurve | None = None  # see measure_verify_curve
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
-        # The running sequences' mean recent acceptance: where a new sequence's own starts, since
-        # it is likelier to draft as the current traffic does than as an arbitrary prior would.
-        self.acceptance = 0.5
-        self.pace = 1.0  # likewise, the running sequences' mean tokens per round
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._cancel_lock = threading.Lock()
@@ -200,36 +188,6 @@ class Engine:
                 scratch.lengths[slot] = 0
             tokens = [[0] * (k + 1)] * batch_size
             self.model(self.model.batch(scratch, slots, tokens), scratch)
-
-    @torch.inference_mode()
-    def measure_verify_curve(self, widest: int = 9, context: int = 256, repeats: int = 5) -> VerifyCurve | None:
-        """Time the verify forward of a full batch for every number of tokens from one a row to
-        `widest` a row (rows as even as the count allows, each after `context` cached tokens, on
-        a scratch cache), and keep the medians for the draft cutoff (`VerifyCurve`). About a
-        second at a batch of 4 on a CPU, and done before serving: a round never waits for it.
-        Nothing to time with no drafter, at a batch of one, or where captured graphs run the
-        verify padded to a fixed width whatever the chains."""
-        if self.drafter is None or self.max_batch_size < 2 or self.graph_runner is not None:
-            return None
-        batch = self.max_batch_size
-        widest = min(widest, self.max_seq_len)
-        context = max(0, min(context, self.max_seq_len - widest))
-        scratch = self.model.new_cache(batch, context + widest)
-        slots = list(range(batch))
-        shapes = {n: [n // batch + (row < n % batch) for row in slots] for n in range(batch, batch * widest + 1)}
-        order = random.Random(0)  # shuffled, so that a drift of the machine falls on no size alone
-        timings: dict[int, list[float]] = {n: [] for n in shapes}
-        for _ in range(repeats):
-            for n in order.sample(list(shapes), len(shapes)):
-                for slot in slots:
-                    scratch.lengths[slot] = context
-                batch_tokens = [[0] * width for width in shapes[n]]
-                started = time.perf_counter()
-                self.model(self.model.batch(scratch, slots, batch_tokens), scratch)
-                self.backend.synchronize()
-                timings[n].append(time.perf_counter() - started)
-        self.verify_curve = VerifyCurve(batch, {n: statistics.median(t) for n, t in timings.items()})
-        return self.verify_curve
 
     def select(self, k: int) -> RuntimeState:
         """Make the state for `k` active from the next round on (a reference swap: its graphs are
@@ -323,7 +281,7 @@ class Engine:
             return [Proposal([]) for _ in seqs]
         # Never draft past max_tokens: the target's own token always comes after the drafts.
         ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
-        return self.drafter.propose(seqs, ks, self.keep_drafting)
+        return self.drafter.propose(seqs, ks)
 
     def verify(
         self, seqs: Seq[Sequence], proposals: Seq[Proposal], state: RuntimeState | None = None
@@ -352,7 +310,6 @@ class Engine:
         accepted = []
         for seq, proposal, tokens in zip(seqs, proposals, emitted):
             kept = len(tokens) - 1
-            seq.record_acceptance(len(proposal.tokens), kept)
             new = self._append(seq, tokens)
             # The target cache keeps every emitted token but the newest (fed next round).
             self.cache.truncate(seq.slot, min(self.cache.lengths[seq.slot], len(seq.tokens) - 1))
@@ -367,19 +324,8 @@ class Engine:
                 len(proposal.tokens),
                 kept,
                 verified=True,
-                draft=DraftRecord(
-                    tuple(proposal.confidence),
-                    proposal.sampled,
-                    proposal.acceptance,
-                    proposal.looked_up,
-                    proposal.match,
-                ),
             )
             accepted.append(kept)
-        judged = [seq.acceptance for seq, proposal in zip(seqs, proposals) if proposal.tokens]
-        if judged:
-            self.acceptance = sum(judged) / len(judged)
-        self.pace = sum(seq.pace for seq in seqs) / len(seqs)
         if self.drafter is not None:
             live = [(s, a) for s, a in zip(seqs, accepted) if s.finish_reason is None]
             self.drafter.accept([s for s, _ in live], [a for _, a in live], hidden)
@@ -413,8 +359,6 @@ class Engine:
                 generator=request.params.generator(self.model.embed_tokens.weight.device),
                 tokens=list(request.prompt),
                 text=OutputText(self.target.tokenizer, request.params.stop) if request.params.stop else None,
-                kept_recently=self.acceptance,  # of one judged draft: the traffic's acceptance
-                emitted_recently=self.pace,  # of one round: the traffic's pace
             )
             admitted.append(seq)
         if not admitted:

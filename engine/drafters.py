@@ -3,12 +3,8 @@
 Every drafter follows the same protocol, so the engine never asks which one it holds:
 
 - `admit(seqs)`: new sequences joined (their prompts are in `seq.tokens`);
-- `propose(seqs, ks, keep_drafting)`: up to `ks[i]` draft tokens for sequence i, with the
-  drafter's probabilities for each (None means the proposal is deterministic: a one-hot
-  distribution) and its confidence in each token. A drafter that drafts step by step asks
-  `keep_drafting` after each step which sequences should draft another token; the question
-  depends only on the drafts so far, never on the target, so the output distribution is
-  unchanged;
+- `propose(seqs, ks)`: up to `ks[i]` draft tokens for sequence i, with the drafter's
+  probabilities for each (None means the proposal is deterministic: a one-hot distribution);
 - `accept(seqs, accepted, hidden)`: after verification, `accepted[i]` drafts of sequence i were
   kept and `seq.tokens` already holds them plus the target's token; roll back the rest;
 - `release(seq)`: the sequence left.
@@ -22,7 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -32,7 +28,6 @@ from engine.checkpoint import Checkpoint
 from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
 from engine.model import Transformer
-from engine.policy import KeepDrafting
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -41,13 +36,6 @@ from engine.sampling import sample, target_probs
 class Proposal:
     tokens: list[int]
     probs: Tensor | None = None  # [len(tokens), V] the drafter's distribution, or None if one-hot
-    # The drafter's probability of each proposed token (empty where it has none, as for n-grams).
-    confidence: list[float] = field(default_factory=list)
-    sampled: bool = False  # drawn from `probs` (else the drafter's greedy choice)
-    acceptance: float = 0.5  # the sequence's recent acceptance when it was drafted (Sequence.acceptance)
-    looked_up: bool = False  # found in its own context (or a finished one's), not drafted by a model
-    match: int = 0  # for a looked-up chain, how many tokens before it matched the context
-    pace: float | None = None  # the sequence's recent tokens per round when drafted (Sequence.pace)
 
 
 class Drafter(Protocol):
@@ -56,9 +44,7 @@ class Drafter(Protocol):
 
     def admit(self, seqs: Seq[Sequence]) -> None: ...
 
-    def propose(
-        self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None
-    ) -> list[Proposal]: ...
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]: ...
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None: ...
 
@@ -139,32 +125,25 @@ class DraftModelDrafter:
             out = self.model(batch, self.cache, last_only=True)
         return out.logits[:, -1]
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None) -> list[Proposal]:
-        proposals = [
-            Proposal([], sampled=not seq.params.greedy, acceptance=seq.acceptance, pace=seq.pace) for seq in seqs
-        ]
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
         probs: list[list[Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         inputs = {i: seqs[i].tokens[self.cache.lengths[seqs[i].draft_slot] :] for i in active}
         while active:
             logits = self._forward([seqs[i] for i in active], [inputs[i] for i in active], ForwardMode.DRAFT)
-            top_probs, greedy_rows = logits.float().softmax(dim=-1).max(dim=-1)
-            top_probs, greedy_rows = top_probs.tolist(), greedy_rows.tolist()
+            greedy_rows = logits.argmax(dim=-1).tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if seq.params.greedy:
-                    token, confidence = greedy_rows[row], top_probs[row]
+                    token = greedy_rows[row]
                 else:
                     q = target_probs(logits[row], seq.params)
                     token = sample(q, seq.generator)
-                    confidence = float(q[token])
                     probs[i].append(q)
                 proposals[i].tokens.append(token)
-                proposals[i].confidence.append(confidence)
                 inputs[i] = [token]
             active = [i for i in active if len(proposals[i].tokens) < ks[i]]
-            if active and keep_drafting is not None:
-                active = [i for i, keep in zip(active, keep_drafting([proposals[i] for i in active])) if keep]
         for i, q in enumerate(probs):
             if q:
                 proposals[i].probs = torch.stack(q)
@@ -305,10 +284,6 @@ class NgramDrafter:
     1,500-token context with no match took 96 us to scan, 2.3 us to look up). With a
     `LookupHistory`, earlier sequences are looked in too, and the longer match wins.
 
-    How long a match found the chain says how far it holds: on the high-acceptance requests of
-    the shipped transition workload, chains of 12 found by a 4-gram kept 11.1 tokens on average,
-    by a 1-gram 1.5 (58% lost the first). With a cutoff, the chain is offered token by token, and
-    it ends where the cutoff says the next token no longer pays for its place in the verify.
     """
 
     name = "ngram"
@@ -325,29 +300,19 @@ class NgramDrafter:
         for seq in seqs:
             self.indexes[seq] = NgramIndex(self.min_n, self.max_n)
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None) -> list[Proposal]:
-        proposals = [self.lookup(seq, k) for seq, k in zip(seqs, ks)]
-        if keep_drafting is not None:
-            cut_lookups(proposals, keep_drafting)
-        return proposals
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        # Deterministic: the drafter's distribution is one-hot.
+        return [Proposal(self.lookup(seq, k)[0]) for seq, k in zip(seqs, ks)]
 
-    def lookup(self, seq: Sequence, k: int) -> Proposal:
-        """The sequence's own continuation, or an earlier sequence's where that matched longer,
-        whole (up to k tokens); no tokens when neither has one."""
+    def lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """The sequence's own continuation, or an earlier sequence's where that matched longer
+        (up to k tokens), and how many tokens matched; no tokens when neither has one."""
         tokens, match = self.indexes[seq].continuation(seq.tokens, k) if k > 0 else ([], 0)
         if self.history is not None and k > 0 and match < LONGEST_MATCH:  # else no earlier text can match longer
             earlier, earlier_match = self.history.continuation(seq.tokens, k)
             if earlier_match > match:
                 tokens, match = earlier, earlier_match
-        # Deterministic: the drafter's distribution is one-hot, so its probability of each token is 1.
-        return Proposal(
-            tokens,
-            confidence=[1.0] * len(tokens),
-            acceptance=seq.acceptance,
-            looked_up=bool(tokens),
-            match=match,
-            pace=seq.pace,
-        )
+        return tokens, match
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
         pass
@@ -355,23 +320,6 @@ class NgramDrafter:
     def release(self, seq: Sequence) -> None:
         if self.indexes.pop(seq, None) is not None and self.history is not None:
             self.history.add(seq.tokens)
-
-
-def cut_lookups(proposals: Seq[Proposal], keep_drafting: KeepDrafting) -> None:
-    """Shorten looked-up chains where the cutoff stops them: each is offered one token at a time,
-    as a drafted chain is after each draft step (the first always goes)."""
-    whole = {i: p.tokens for i, p in enumerate(proposals) if p.looked_up}
-    for i in whole:
-        proposals[i].tokens, proposals[i].confidence = whole[i][:1], [1.0]
-    growing = [i for i in whole if len(whole[i]) > 1]
-    while growing:
-        decisions = keep_drafting([proposals[i] for i in growing])
-        growing = [i for i, keep in zip(growing, decisions) if keep]
-        for i in growing:
-            proposal = proposals[i]
-            proposal.tokens = whole[i][: len(proposal.tokens) + 1]
-            proposal.confidence.append(1.0)
-        growing = [i for i in growing if len(proposals[i].tokens) < len(whole[i])]
 
 
 class HybridDrafter(DraftModelDrafter):
@@ -383,9 +331,8 @@ class HybridDrafter(DraftModelDrafter):
     itself (boilerplate, code restating its own names) gets long chains for the price of
     verifying them. Sequences without a match, and every sampled one, draft with the model: a
     deterministic draft x of a sampled sequence is kept with probability p(x) only, and at
-    temperature 1 the lookups gained nothing while their long chains cost the goodput policy.
-    A looked-up chain is cut where the cutoff stops it, as `NgramDrafter` cuts it. The draft
-    model's cache catches up on what the lookups proposed at its next step.
+    temperature 1 the lookups gained nothing. The draft model's cache catches up on what the
+    lookups proposed at its next step.
     """
 
     name = "hybrid"
@@ -407,9 +354,9 @@ class HybridDrafter(DraftModelDrafter):
         super().admit(seqs)
         self.lookups.admit(seqs)
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int], keep_drafting: KeepDrafting | None = None) -> list[Proposal]:
-        found = self.lookups.propose(seqs, [k if seq.params.greedy else 0 for seq, k in zip(seqs, ks)], keep_drafting)
-        drafted = super().propose(seqs, [0 if lookup.tokens else k for lookup, k in zip(found, ks)], keep_drafting)
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        found = self.lookups.propose(seqs, [k if seq.params.greedy else 0 for seq, k in zip(seqs, ks)])
+        drafted = super().propose(seqs, [0 if lookup.tokens else k for lookup, k in zip(found, ks)])
         return [lookup if lookup.tokens else proposal for lookup, proposal in zip(found, drafted)]
 
     def release(self, seq: Sequence) -> None:

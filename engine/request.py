@@ -48,42 +48,6 @@ class Sequence:
     finish_reason: str | None = None
     text: OutputText | None = None  # the output as text, kept where there are stop strings to find
     draft_slot: int | None = None  # the drafter's own cache slot, if it has one
-    # Drafts kept and judged in recent rounds, as sums that fade by `acceptance_decay` a round.
-    # A new sequence starts from one judged draft, kept as often as the prior says.
-    kept_recently: float = 0.5
-    judged_recently: float = 1.0
-    acceptance_decay = 0.7
-    # Tokens emitted over rounds run, as sums that fade more slowly (a round's count swings from
-    # one to the whole chain): how fast the sequence gets through its output. A new sequence
-    # starts from one round at the prior pace.
-    emitted_recently: float = 1.0
-    rounds_recently: float = 1.0
-    pace_decay = 0.9
-
-    @property
-    def acceptance(self) -> float:
-        """Share of its recently judged drafts the target kept: a sequence that is copying a
-        pattern keeps nearly all of them even where the drafter sounds unsure (see
-        policy.Calibration)."""
-        return self.kept_recently / self.judged_recently
-
-    @property
-    def pace(self) -> float:
-        """Tokens it recently emitted per round (kept drafts and the target's own): a sequence
-        that moves slowly holds its batch slot longer, so each token it gains is worth more
-        (policy.GoodputPolicy prices its drafts by it)."""
-        return self.emitted_recently / self.rounds_recently
-
-    def record_acceptance(self, proposed: int, kept: int) -> None:
-        self.emitted_recently = self.pace_decay * self.emitted_recently + kept + 1
-        self.rounds_recently = self.pace_decay * self.rounds_recently + 1
-        # Drafts after the first rejected one were never judged. Kept over judged summed across
-        # rounds, not a mean of each round's share: a round's share is biased low (drafts kept
-        # at rate 0.69 give rounds of three drafts a mean share of 0.53).
-        judged = min(proposed, kept + 1)
-        if judged:
-            self.kept_recently = self.acceptance_decay * self.kept_recently + kept
-            self.judged_recently = self.acceptance_decay * self.judged_recently + judged
 
     @property
     def params(self) -> SamplingParams:

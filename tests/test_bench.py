@@ -26,7 +26,7 @@ def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):
     ]
     target, draft, workload = tiny_setup(tmp_path, lines, draft_scale=0.2)
     out, plot = tmp_path / "out.json", tmp_path / "plot.png"
-    modes = "none,static:1,static:3,adaptive:ema,adaptive:goodput"
+    modes = "none,static:1,static:3,adaptive:ema,adaptive:measured"
     spec_main(
         ["--workload", str(workload), "--modes", modes, "--concurrency", "2", "--target", str(target)]
         + ["--draft", str(draft), "--json", str(out), "--plot", str(plot), "--max-seq-len", "64"]
@@ -93,13 +93,13 @@ def test_the_suite_summary_picks_one_static_k_for_all_traffic_and_names_the_wors
     from bench.suite import summarize
 
     rates = {
-        "a": {"none": 100.0, "static:3": 200.0, "adaptive:goodput": 220.0},
-        "b": {"none": 100.0, "static:3": 50.0, "adaptive:goodput": 90.0},
+        "a": {"none": 100.0, "static:3": 200.0, "adaptive:measured": 220.0},
+        "b": {"none": 100.0, "static:3": 50.0, "adaptive:measured": 90.0},
     }
     summary = summarize(rates)
     # none and static:3 tie at a geometric mean of 100 tok/s: the first listed is taken.
     assert summary["best_single_static"] == "none"
-    goodput = summary["adaptive"]["adaptive:goodput"]
-    assert abs(goodput["vs_best_single_static"] - (2.2 * 0.9) ** 0.5) < 1e-9
-    assert abs(goodput["vs_best_static_per_workload"] - (1.1 * 0.9) ** 0.5) < 1e-9
-    assert goodput["worst_workload"] == "b" and abs(goodput["worst_vs_its_best_static"] - 0.9) < 1e-9
+    measured = summary["adaptive"]["adaptive:measured"]
+    assert abs(measured["vs_best_single_static"] - (2.2 * 0.9) ** 0.5) < 1e-9
+    assert abs(measured["vs_best_static_per_workload"] - (1.1 * 0.9) ** 0.5) < 1e-9
+    assert measured["worst_workload"] == "b" and abs(measured["worst_vs_its_best_static"] - 0.9) < 1e-9

@@ -119,7 +119,7 @@ def test_every_schema_key_is_a_settings_field():
 
 @pytest.mark.parametrize(
     ("strategy", "candidates"),
-    [("measured", (0, 1, 2, 3, 5, 7)), ("goodput", (0, 1, 2, 3, 5, 7, 32)), ("ema", (1, 3, 7))],
+    [("measured", (0, 1, 2, 3, 5, 7)), ("ema", (1, 3, 7))],
 )
 def test_each_strategy_has_its_own_default_candidates_unless_the_file_names_them(tmp_path, strategy, candidates):
     snapshot = load_config(write(tmp_path, f'[adaptive]\nstrategy = "{strategy}"\n'))
@@ -218,7 +218,9 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ('[admin]\nmode = "04755"\n', "admin.mode", "octal digits"),
         ("[admin]\nmode = 0o600\n", "admin.mode", "got the integer 384"),
         ('[engine]\ndrafter = "eagle"\n', "engine.drafter", "must be one of 'draft_model', 'hybrid', 'ngram', 'none'"),
-        ('[adaptive]\nstrategy = "goodptu"\n', "adaptive.strategy", "did you mean 'goodput'"),
+        ('[adaptive]\nstrategy = "measure"\n', "adaptive.strategy", "did you mean 'measured'"),
+        ('[adaptive]\nstrategy = "goodput"\n', "adaptive.strategy", "no longer offered: 'measured' replaced it"),
+        ("[adaptive]\ndraft_cutoff = true\n", "adaptive.draft_cutoff", "no longer exists"),
         ('[engine]\ndevice = "gpu"\n', "engine.device", "'cpu', 'cuda', 'cuda:N', 'npu' or 'npu:N'"),
         ('[engine]\ndevice = "cuda:x"\n', "engine.device", "'cuda:N'"),
         ('[engine]\ndtype = "fp16"\n', "engine.dtype", "must be one of"),

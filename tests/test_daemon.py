@@ -217,11 +217,11 @@ def test_in_place_edit_applies_within_two_seconds(daemon):
 
 def test_save_by_rename_edit_applies_within_two_seconds(daemon):
     before = daemon.status()["generation"]
-    rewrite(daemon.config, 'strategy = "ema"', 'strategy = "goodput"', by_rename=True)
+    rewrite(daemon.config, 'strategy = "ema"', 'strategy = "measured"', by_rename=True)
     status = daemon.wait_for(
         lambda: (s := daemon.status())["generation"] == before + 1 and s, 2.0, "the renamed file to apply"
     )
-    assert status["strategy"] == "goodput"
+    assert status["strategy"] == "measured"
 
 
 @pytest.mark.parametrize(

@@ -245,20 +245,6 @@ def test_state_for_a_new_k_is_built_off_the_hot_path_and_selected_at_a_boundary(
         engine.build_state(9)
 
 
-def test_the_verify_curve_is_timed_for_every_token_count_of_a_full_batch_before_serving(pair):
-    target, draft = pair
-    engine = Engine(target, DraftModelDrafter(draft, 3, MAX_SEQ_LEN), 3, MAX_SEQ_LEN, [3])
-    assert engine.verify_curve is None  # timed only when asked: the daemon asks at start
-    curve = engine.measure_verify_curve(widest=4, repeats=2)
-    assert curve is engine.verify_curve and curve is not None
-    assert curve.batch_size == 3 and sorted(curve.seconds) == list(range(3, 13))
-    assert all(seconds > 0 for seconds in curve.seconds.values())
-    assert engine.cache.lengths == [0, 0, 0]  # timed on a scratch cache: nothing served is touched
-    alone = Engine(target, DraftModelDrafter(draft, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [3])
-    assert alone.measure_verify_curve() is None  # a batch of one verifies one chain: no curve
-    assert Engine(target, None, 2, MAX_SEQ_LEN, [0]).measure_verify_curve() is None
-
-
 def test_cancel_frees_the_slot_at_the_next_boundary(pair):
     target, draft = pair
     engine = Engine(target, DraftModelDrafter(draft, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [3])
@@ -300,11 +286,11 @@ def operator_pair(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["draft_model", "hybrid"])
 @pytest.mark.parametrize("attention", ["compiled", "as_estimated", "by_row"])
-def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, operator_pair, kind, attention, monkeypatch):
-    """The cutoff ends a round's drafting on the drafter's own confidence, and a looked-up chain
-    part of the way: fewer drafts, same text, on the compiled forward and on PyTorch operators,
-    whether their ragged verifies attend padded or a row at a time (short contexts stay padded
-    unless told otherwise)."""
+def test_greedy_stays_lossless_when_the_chains_of_a_batch_are_ragged(pair, operator_pair, kind, attention, monkeypatch):
+    """Requests near their max_tokens draft fewer tokens than k, so one verify holds chains of
+    different lengths: same text, on the compiled forward and on PyTorch operators, whether their
+    ragged verifies attend padded or a row at a time (short contexts stay padded unless told
+    otherwise)."""
     target, draft = pair if attention == "compiled" else operator_pair
     by_row_batches = []
 
@@ -314,113 +300,23 @@ def test_greedy_stays_lossless_when_drafting_is_cut_short(pair, operator_pair, k
 
     if attention == "by_row":
         monkeypatch.setattr(ForwardBatch, "_rows_cheaper", staticmethod(rows_always_cheaper))
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    expected = reference(target, PROMPTS, params)
+    lengths = [3, 5, 9, 48]  # with k = 7, the first verify holds chains of 1, 3, 7 and 7 drafts
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    expected = [reference(target, [p], q)[0] for p, q in zip(PROMPTS, params)]
     engine = Engine(target, make_drafter(kind, draft, 4), 4, MAX_SEQ_LEN, [7])
-    asked = []
-
-    def keep_drafting(chains):
-        # Any rule that reads only the drafts is allowed; this one stops a sequence about a third
-        # of the time, so the batch's chains end at different lengths.
-        asked.append(len(chains))
-        return [(int(chain.confidence[-1] * 1000) + len(chain.confidence)) % 3 != 0 for chain in chains]
-
-    engine.keep_drafting = keep_drafting
-    requests = [Request(tuple(p), params) for p in PROMPTS]
+    requests = [Request(tuple(p), q) for p, q in zip(PROMPTS, params)]
     outputs: dict[str, list[int]] = {r.id: [] for r in requests}
     for r in requests:
         engine.add_request(r)
-    chain_lengths, looked_up_cut = [], 0
+    chain_lengths = []
     while engine.has_work:
         result = engine.step()
         chain_lengths.append(sorted(o.drafts_proposed for o in result.outputs if o.verified))
-        looked_up_cut += sum(o.draft.looked_up and o.drafts_proposed < 7 for o in result.outputs if o.verified)
         for out in result.outputs:
             outputs[out.request_id].extend(out.new_tokens)
     assert [outputs[r.id] for r in requests] == expected
-    assert asked
-    # Within the first rounds (far from max_tokens), chains of one batch ended at different lengths.
-    assert any(len(set(lengths)) > 1 and lengths[-1] < 7 for lengths in chain_lengths[1:4])
+    assert any(len(set(lengths)) > 2 for lengths in chain_lengths)
     assert bool(by_row_batches) == (attention == "by_row")
-    assert (looked_up_cut > 0) == (kind == "hybrid")
-
-
-@pytest.mark.parametrize("verification", ["block", "token"])
-def test_sampling_keeps_the_target_distribution_when_drafting_is_cut_short(tiny_vocab_pair, verification):
-    """A cutoff that reads the drafts' own probabilities must not bias the sampled tokens."""
-    target, draft = tiny_vocab_pair
-    prompt = tuple(range(8)) * 2
-    base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
-    with torch.inference_mode():
-        marginals = exact_marginals(target, prompt, base, 3)
-    draws = 1500
-    engine = Engine(target, make_drafter("draft_model", draft, 16), 16, 32, [3], verification=verification)
-    engine.keep_drafting = lambda chains: [chain.confidence[-1] > 0.4 for chain in chains]
-    requests = [
-        Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
-        for s in range(draws)
-    ]
-    outputs = engine.run_until_done(requests)
-    proposed = engine.state.stats.proposed_at
-    assert proposed[0] > proposed[-1] > 0  # cut in some rounds, not in all
-    assert_follows_marginals(outputs, requests, marginals)
-
-
-def test_a_sequence_tracks_the_share_of_its_judged_drafts_the_target_kept():
-    seq = Sequence(Request((1, 2)), slot=0, generator=None, tokens=[1, 2])
-    for _ in range(30):
-        seq.record_acceptance(proposed=7, kept=7)
-    assert seq.acceptance > 0.99
-    before = seq.acceptance
-    seq.record_acceptance(proposed=7, kept=2)  # 2 of 3 judged: drafts after a rejection never are
-    assert 0.6 < seq.acceptance < before
-    after = seq.acceptance
-    seq.record_acceptance(proposed=0, kept=0)  # nothing drafted: nothing learnt
-    assert seq.acceptance == after
-
-
-def test_a_sequence_counts_every_judged_draft_alike_not_every_round():
-    """Rounds of three drafts, all rejected then all kept: the target kept 3 of every 4 judged
-    drafts. A mean of each round's share would say 0.5, and stop chains that pay."""
-    seq = Sequence(Request((1, 2)), slot=0, generator=None, tokens=[1, 2])
-    shares = []
-    for round in range(40):
-        seq.record_acceptance(proposed=3, kept=0 if round % 2 == 0 else 3)
-        shares.append(seq.acceptance)
-    assert sum(shares[-10:]) / 10 == pytest.approx(0.75, abs=0.02)
-
-
-def test_a_sequence_tracks_the_tokens_it_emits_a_round():
-    """Its pace: kept drafts plus the target's own token, over recent rounds; a round that drafted
-    nothing still emits one."""
-    seq = Sequence(Request((1, 2)), slot=0, generator=None, tokens=[1, 2])
-    for _ in range(60):
-        seq.record_acceptance(proposed=12, kept=11)
-    assert seq.pace == pytest.approx(12, rel=0.01)
-    for _ in range(60):
-        seq.record_acceptance(proposed=0, kept=0)
-    assert seq.pace == pytest.approx(1, rel=0.03)
-
-
-def test_a_new_sequence_starts_from_the_acceptance_of_the_traffic_before_it(pair):
-    """Until its own drafts are judged, a new request is taken to draft as the running traffic
-    does, not as a fixed prior says (the cutoff reads it from the first round on)."""
-    target, draft = pair
-    engine = Engine(target, make_drafter("draft_model", draft, 2), 2, MAX_SEQ_LEN, [3])
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-
-    def first_round_acceptance(prompt: list[int]) -> float:
-        request = Request(tuple(prompt), greedy)
-        engine.add_request(request)
-        (first,) = [o for o in engine.step().outputs if o.request_id == request.id]
-        while engine.has_work:
-            engine.step()
-        return first.draft.acceptance
-
-    assert first_round_acceptance(PROMPTS[0]) == 0.5  # nothing served yet: the prior
-    learnt = engine.acceptance
-    assert abs(learnt - 0.5) > 0.1  # what the first request's drafts showed
-    assert first_round_acceptance(PROMPTS[2]) == pytest.approx(learnt)
 
 
 def latest_continuation(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -508,11 +404,11 @@ def test_the_hybrid_drafter_proposes_a_greedy_sequences_own_continuation_without
     drafter.admit(seqs)
     fed = [drafter.cache.lengths[s.draft_slot] for s in seqs]
     proposals = drafter.propose(seqs, [3, 3, 3])
-    assert proposals[0].tokens == [5, 6, 7] and proposals[0].probs is None and proposals[0].looked_up
+    assert proposals[0].tokens == [5, 6, 7] and proposals[0].probs is None
     assert drafter.cache.lengths[seqs[0].draft_slot] == fed[0]  # the model did not run for it
     # A sampled sequence, and one whose context has no match, draft with the model.
-    assert proposals[1].sampled and proposals[1].probs is not None and len(proposals[1].tokens) == 3
-    assert len(proposals[2].tokens) == 3 and len(proposals[2].confidence) == 3
+    assert proposals[1].probs is not None and len(proposals[1].tokens) == 3
+    assert len(proposals[2].tokens) == 3 and proposals[2].probs is None
     assert drafter.cache.lengths[seqs[2].draft_slot] > fed[2]
     for seq in seqs:
         drafter.release(seq)
@@ -551,13 +447,11 @@ def test_an_earlier_sequence_is_looked_up_where_it_matches_longer_than_the_own_c
     # six last tokens, and what followed them.
     seq = Sequence(Request((1,)), slot=1, generator=None, tokens=[53, 54, 55, 9, 52, 53, 54, 55])
     drafter.admit([seq])
-    (proposal,) = drafter.propose([seq], [3])
-    assert proposal.tokens == [56, 57, 58] and proposal.match == 4
+    assert drafter.lookup(seq, 3) == ([56, 57, 58], 4)
     # Where the own context matches at least as long, it wins: it is the sequence's own text.
     own = Sequence(Request((1,)), slot=2, generator=None, tokens=[52, 53, 54, 55, 7, 52, 53, 54, 55])
     drafter.admit([own])
-    (proposal,) = drafter.propose([own], [3])
-    assert proposal.tokens == [7, 52, 53] and proposal.match == 4
+    assert drafter.lookup(own, 3) == ([7, 52, 53], 4)
 
 
 def test_a_repeated_request_drafts_what_the_first_one_wrote_and_stays_lossless(pair):
@@ -574,24 +468,3 @@ def test_a_repeated_request_drafts_what_the_first_one_wrote_and_stays_lossless(p
         assert [outputs[r.id] for r in requests] == expected
         rounds.append(engine.round - started)
     assert rounds[1] < rounds[0]  # the second time, every chain was what the target writes
-
-
-def test_a_looked_up_chain_ends_where_the_cutoff_stops_it(pair):
-    _, draft = pair
-    drafter = HybridDrafter(draft, 1, MAX_SEQ_LEN, min_n=1, max_n=3)
-    seq = Sequence(
-        Request((9, 1, 2, 1, 2), SamplingParams(max_tokens=16)), slot=0, generator=None, tokens=[9, 1, 2, 1, 2]
-    )
-    drafter.admit([seq])
-    fed = drafter.cache.lengths[seq.draft_slot]
-    assert drafter.propose([seq], [6])[0].tokens == [1, 2, 1, 2, 1, 2]  # no cutoff: the whole chain
-    asked = []
-
-    def three_tokens(chains) -> list[bool]:
-        asked.extend((chain.looked_up, chain.match, len(chain.confidence)) for chain in chains)
-        return [len(chain.confidence) < 3 for chain in chains]
-
-    (proposal,) = drafter.propose([seq], [6], three_tokens)
-    assert proposal.looked_up and proposal.tokens == [1, 2, 1] and proposal.probs is None
-    assert asked == [(True, 2, 1), (True, 2, 2), (True, 2, 3)]  # found by the 2-gram [1, 2]
-    assert drafter.cache.lengths[seq.draft_slot] == fed  # the model never ran

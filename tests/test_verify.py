@@ -108,7 +108,7 @@ def target_output(pair: ToyPair, length: int) -> dict[tuple[int, ...], float]:
 STOPS = {
     "one draft": lambda chain: len(chain) == 1,
     "three drafts": lambda chain: len(chain) == 3,
-    # A drafter that decides from its own drafts where to stop, as the goodput cutoff does.
+    # A drafter that decides from its own drafts where to stop, as a confidence stop would.
     "stops after token 0": lambda chain: len(chain) == 4 or (len(chain) > 0 and chain[-1] == 0),
 }
 

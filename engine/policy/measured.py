@@ -3,19 +3,30 @@ candidate ladder towards the fastest."""
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
 from engine.policy.contracts import Decision, Observation
-from engine.policy.costs import window_rate
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import Schedule
 
+# How many times the median round of its window a round is believed to have taken: a round the
+# machine stalled in (another process held the cores) says nothing about the next one.
+STALL_FACTOR = 4.0
 # Rounds a k's rate is taken over; the most probe intervals between tries of a neighbour; how many
 # of those spacings a rate stays current after its k last ran.
 WINDOW_ROUNDS = 32
 MAX_SPACING = 64
 FRESH_SPACINGS = 2
+
+
+def window_rate(rounds: Seq[tuple[int, float]]) -> float:
+    """Tokens per second of recent (tokens, seconds) rounds: their tokens over their seconds (a
+    mean of per-round rates would weigh a round of 1 token as much as one of 6), each round held
+    to STALL_FACTOR times the median, so that a few rounds the machine stalled in do not move it."""
+    most = STALL_FACTOR * statistics.median(seconds for _, seconds in rounds)
+    return sum(tokens for tokens, _ in rounds) / sum(min(seconds, most) for _, seconds in rounds)
 
 
 class MeasuredPolicy(Schedule):

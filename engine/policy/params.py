@@ -13,15 +13,14 @@ class BatchSlot:
     candidate_steps: tuple[int, ...]
 
 
-# Each strategy's candidates where none are configured: SGLang's for ema, which drafts its k in
-# full; for goodput finer steps and a high ceiling, which its cutoff drafts up to only while
-# another draft pays (through repetitive text, a long way).
-DEFAULT_CANDIDATES = {"ema": (1, 3, 7), "goodput": (0, 1, 2, 3, 5, 7, 32), "measured": (0, 1, 2, 3, 5, 7)}
+# Each strategy's candidates where none are configured: SGLang's for ema; for measured, which
+# tries only a k's neighbours, a ladder fine enough that a neighbour is a small step.
+DEFAULT_CANDIDATES = {"ema": (1, 3, 7), "measured": (0, 1, 2, 3, 5, 7)}
 
 
 @dataclass(frozen=True)
 class PolicyParams:
-    strategy: str = "ema"  # "ema" or "goodput"
+    strategy: str = "ema"  # "ema" or "measured"
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.2
     warmup_batches: int = 10
@@ -29,15 +28,11 @@ class PolicyParams:
     up_hysteresis: float = 0.0
     down_hysteresis: float = -0.25
     slots: tuple[BatchSlot, ...] = ()
-    # At k = 0 nothing is drafted, so nothing is learnt: every probe_interval rounds, try the
-    # smallest k > 0 for a while.
-    # Short: a dip in the estimate can send goodput to k = 0, where it learns nothing until the
-    # next probe (40 rounds held it there for a fifth of the transition workload at batch 1).
+    # ema: at k = 0 nothing is drafted, so nothing is learnt: every probe_interval rounds, try the
+    # smallest k > 0 for a while. measured: the fewest rounds between tries of a neighbour.
     probe_interval: int = 10
-    # goodput: move only when the best k is expected to beat the current one by this fraction.
+    # measured: keep a tried k only when it beat the one left by this fraction.
     switch_margin: float = 0.05
-    # goodput: end a round's drafting early when the next draft is not worth its cost.
-    draft_cutoff: bool = True
     # measured: the share of serving time that tries of another k may lose.
     exploration: float = 0.02
 

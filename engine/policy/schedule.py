@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.policy.contracts import Decision, KeepDrafting, Observation, VerifyCurve, snap
+from engine.policy.contracts import Decision, Observation, snap
 from engine.policy.params import PolicyParams
 
 
@@ -84,7 +84,3 @@ class Schedule:
         self.params = params
         self.candidates = sorted(params.candidate_steps)
         self.set_steps(current)
-
-    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
-        """What the drafter asks between draft steps this round, or None to draft the full k."""
-        return None

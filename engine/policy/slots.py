@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.policy.contracts import Decision, KeepDrafting, Observation, Policy, VerifyCurve
+from engine.policy.contracts import Decision, Observation, Policy
 from engine.policy.ema import EmaPolicy
-from engine.policy.goodput import GoodputPolicy
 from engine.policy.measured import MeasuredPolicy
 from engine.policy.params import PolicyParams
 
-STRATEGIES: dict[str, type[EmaPolicy] | type[GoodputPolicy] | type[MeasuredPolicy]] = {
-    "ema": EmaPolicy,
-    "goodput": GoodputPolicy,
-    "measured": MeasuredPolicy,
-}
+STRATEGIES: dict[str, type[EmaPolicy] | type[MeasuredPolicy]] = {"ema": EmaPolicy, "measured": MeasuredPolicy}
 
 
 class SlottedPolicy:
@@ -56,9 +51,6 @@ class SlottedPolicy:
 
     def set_steps(self, k: int) -> None:
         self.slots[self.active].set_steps(k)
-
-    def draft_cutoff(self, verify_curve: VerifyCurve | None = None) -> KeepDrafting | None:
-        return self.slots[self.active].draft_cutoff(verify_curve)
 
     def update_params(self, params: PolicyParams) -> None:
         if params.strategy != self.params.strategy or {s.min_batch_size for s in params.slots} != {
