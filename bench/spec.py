@@ -41,16 +41,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.checkpoint import Checkpoint, load_checkpoint
+from control.config import ConfigSnapshot, load_config
+from daemon import runtime
+from daemon.runtime import Models, load_models
 from engine.controller import Controller
-from engine.core import Engine
-from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
 from engine.policy import DEFAULT_CANDIDATES, PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
+DRAFTERS = ("draft_model", "hybrid", "ngram", "none")
 
 
 @dataclass(frozen=True)
@@ -132,59 +133,61 @@ class ModeReport:
         }
 
 
-def build_controller(
-    mode: str,
-    target: Checkpoint,
-    drafter_factory,
-    concurrency: int,
-    max_seq_len: int,
-    params: PolicyParams,
-    verification: str = "block",
-) -> Controller:
+def mode_snapshot(snapshot: ConfigSnapshot, mode: str) -> ConfigSnapshot:
+    """The config a mode runs with: the daemon's, with drafting off (`none`), k fixed
+    (`static:K`) or another strategy (`adaptive:NAME`), and any `+NAME=VALUE` overrides."""
     base, *overrides = mode.split("+")
     settings = dict(parse_override(o) for o in overrides)
-    # The engine's own setting; every other override names a policy parameter.
-    verification = str(settings.pop("verification", verification))
-
-    def engine(drafter, steps, initial: int) -> Engine:
-        return Engine(
-            target,
-            drafter,
-            concurrency,
-            max_seq_len,
-            steps,
-            max_steps=max(steps),
-            initial_steps=initial,
-            verification=verification,
-        )
-
+    # The engine's own settings; every other override names a policy parameter.
+    engine = replace(snapshot.engine, **{key: settings.pop(key) for key in ENGINE_OVERRIDES if key in settings})
+    adaptive = snapshot.adaptive
+    params = adaptive.policy
     if base == "none":
-        plain = replace(params, candidate_steps=(0,), slots=())
-        return Controller(engine(None, [0], 0), plain, adaptive=False, static_steps=0)
-    if base.startswith("static:") and not settings:
-        k = int(base.split(":", 1)[1])
+        engine = replace(engine, drafter="none")
+    elif base.startswith("static:") and base[7:].isdigit() and not settings:
+        k = int(base[7:])
         static = replace(params, candidate_steps=(k,), slots=())
-        return Controller(engine(drafter_factory(), [k], k), static, adaptive=False, static_steps=k)
-    if base.startswith("adaptive:"):
-        strategy = base.split(":", 1)[1]
-        if params.candidate_steps == DEFAULT_CANDIDATES.get(params.strategy) and strategy in DEFAULT_CANDIDATES:
+        adaptive = replace(adaptive, enabled=False, static_steps=k, initial_steps=k, policy=static)
+    elif base.startswith("adaptive:") and base[9:] in DEFAULT_CANDIDATES:
+        strategy = base[9:]
+        if params.candidate_steps == DEFAULT_CANDIDATES[params.strategy]:
             # The config left the candidates to its strategy: another strategy runs its own.
             settings.setdefault("candidate_steps", DEFAULT_CANDIDATES[strategy])
-        policy = replace(params, strategy=strategy, **settings)
-        return Controller(engine(drafter_factory(), policy.all_steps, max(policy.all_steps)), policy)
-    raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:measured or adaptive:ema")
+        try:
+            policy = replace(params, strategy=strategy, **settings)
+        except ValueError as err:
+            raise SystemExit(f"{mode!r}: {err}") from None
+        adaptive = replace(adaptive, enabled=True, policy=policy)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:measured or adaptive:ema")
+    return replace(snapshot, engine=engine, adaptive=adaptive)
+
+
+def build_controller(
+    mode: str, snapshot: ConfigSnapshot, models: Models, concurrency: int, max_seq_len: int
+) -> Controller:
+    """The engine a mode runs, assembled as the daemon assembles its own, `concurrency` slots wide."""
+    return runtime.build_controller(
+        mode_snapshot(snapshot, mode), models, max_batch_size=concurrency, max_seq_len=max_seq_len
+    )
+
+
+ENGINE_OVERRIDES = ("verification", "drafter")
 
 
 def parse_override(text: str) -> tuple[str, object]:
     """`name=value` of a policy parameter, as in adaptive:measured+exploration=0.01, or of the
-    engine's `verification` (any mode: static:3+verification=token); a list of step counts is
-    written with slashes: candidate_steps=0/3/7."""
+    engine's `verification` or `drafter` (any mode: static:3+verification=token); a list of step
+    counts is written with slashes: candidate_steps=0/3/7."""
     name, _, value = text.partition("=")
     if name == "verification" and value in CHAIN_RULES:
         return name, value
+    if name == "drafter" and value in DRAFTERS:
+        return name, value
     if name not in PolicyParams.__dataclass_fields__ or not value:
         raise SystemExit(
-            f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, or verification={'|'.join(CHAIN_RULES)}"
+            f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
+            f"verification={'|'.join(CHAIN_RULES)} or drafter={'|'.join(DRAFTERS)}"
         )
     if name == "candidate_steps":
         try:
@@ -273,30 +276,19 @@ def run_side_by_side(runs: list[ModeRun]) -> None:
 def run_modes(
     modes: list[str],
     items: list[WorkItem],
-    target: Checkpoint,
-    drafter_factory,
+    snapshot: ConfigSnapshot,
+    models: Models,
     concurrency: int,
     max_seq_len: int,
-    settings: dict,
     repeats: int = 1,
 ) -> dict[str, ModeReport]:
     """Serve `items` with every mode side by side, `repeats` times over, each time on new engines."""
     reports = {mode: ModeReport() for mode in modes}
+    tokenizer = models.target.tokenizer
     for repeat in range(repeats):
         runs = {
             mode: ModeRun(
-                build_controller(
-                    mode,
-                    target,
-                    drafter_factory,
-                    concurrency,
-                    max_seq_len,
-                    settings["policy"],
-                    settings["verification"],
-                ),
-                items,
-                target.tokenizer,
-                concurrency,
+                build_controller(mode, snapshot, models, concurrency, max_seq_len), items, tokenizer, concurrency
             )
             for mode in modes
         }
@@ -455,7 +447,7 @@ def plot(reports: dict[str, ModeReport], out: Path, window: float) -> None:
     fig.savefig(out, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--modes", default="none,static:1,static:3,static:7,adaptive:ema,adaptive:measured")
@@ -474,6 +466,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--url", default=None, help="a running daemon's HTTP API instead of in-process modes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
     args = parser.parse_args(argv)
 
     items = read_workload(args.workload)
@@ -487,37 +484,16 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
         return
 
-    settings = bench_settings(args)
-    target = load_checkpoint(settings["target"])
-    drafter_kind = settings["drafter"]
-    draft = load_checkpoint(settings["draft"]) if drafter_kind in DRAFT_MODEL_KINDS else None
-
-    def drafter_factory() -> Drafter | None:
-        return make_drafter(
-            drafter_kind,
-            draft,
-            args.concurrency,
-            args.max_seq_len,
-            quantize=settings["draft_quantization"] == "int8",
-            ngram_min=settings["ngram_min"],
-            ngram_max=settings["ngram_max"],
-            lookup_history=settings["lookup_history"],
-        )
-
+    snapshot = bench_snapshot(args)
+    models = load_models(snapshot)
     print(
         f"workload {args.workload} ({len(items)} requests), concurrency {args.concurrency}, "
-        f"drafter {drafter_kind}, candidates {list(settings['policy'].candidate_steps)}",
+        f"drafter {snapshot.engine.drafter}, candidates {list(snapshot.adaptive.policy.candidate_steps)}",
         file=sys.stderr,
     )
-    # Warm up kernels once so that the first mode is not charged for it.
-    warm = build_controller("static:1", target, drafter_factory, args.concurrency, args.max_seq_len, settings["policy"])
-    run_mode(warm, items[:1], target.tokenizer, 1)
-    gc.freeze()  # as the daemon does once loaded: collections then skip the objects of start-up
-
+    warm_up(snapshot, models, items, args.concurrency, args.max_seq_len)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    reports = run_modes(
-        modes, items, target, drafter_factory, args.concurrency, args.max_seq_len, settings, args.repeats
-    )
+    reports = run_modes(modes, items, snapshot, models, args.concurrency, args.max_seq_len, args.repeats)
     print_table(reports)
     if args.json:
         args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
@@ -525,27 +501,28 @@ def main(argv: list[str] | None = None) -> None:
         plot(reports, args.plot, window=max(1.0, max(r.seconds for r in reports.values()) / 40))
 
 
-def bench_settings(args: argparse.Namespace) -> dict:
-    """Models and policy parameters: the command line's over the config's (--config, by default
-    the daemon's), so that a bench measures what the daemon serves."""
-    from control.config import load_config
+def bench_snapshot(args: argparse.Namespace) -> ConfigSnapshot:
+    """The config a bench runs (--config, by default the daemon's), with --target, --draft and
+    --drafter over it, so that a bench measures what the daemon serves."""
+    snapshot = load_config(args.config)
+    engine = snapshot.engine
+    if args.target is not None:
+        engine = replace(engine, target=Path(args.target))
+    if args.draft is not None:
+        engine = replace(engine, draft=Path(args.draft))
+    if args.drafter is not None:
+        engine = replace(engine, drafter=args.drafter)
+    return replace(snapshot, engine=engine)
 
-    config = load_config(args.config)
-    settings = {
-        "target": str(config.engine.target),
-        "draft": str(config.engine.draft),
-        "drafter": config.engine.drafter,
-        "draft_quantization": config.engine.draft_quantization,
-        "ngram_min": config.engine.ngram_min,
-        "ngram_max": config.engine.ngram_max,
-        "lookup_history": config.engine.lookup_history,
-        "verification": config.engine.verification,
-        "policy": config.adaptive.policy,
-    }
-    for key in ("target", "draft", "drafter"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    return settings
+
+def warm_up(
+    snapshot: ConfigSnapshot, models: Models, items: list[WorkItem], concurrency: int, max_seq_len: int
+) -> None:
+    """Run the kernels once, so that the first mode is not charged for it, then freeze the
+    collector's view of start-up's objects as the daemon does."""
+    warm = build_controller("static:1", snapshot, models, concurrency, max_seq_len)
+    run_mode(warm, items[:1], models.target.tokenizer, 1)
+    gc.freeze()
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ speculation at the same batch size.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from pathlib import Path
 
 from bench.prompts import code_prompts
-from bench.spec import WorkItem, build_controller, run_mode
-from engine.checkpoint import load_checkpoint
-from engine.drafters import make_drafter
-from engine.policy import PolicyParams
+from bench.spec import ROOT, WorkItem, build_controller, run_mode
+from control.config import load_config
+from daemon.runtime import load_models
 from engine.sampling import SamplingParams
 
 STEPS = (1, 3, 5, 7)
@@ -33,7 +34,17 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
+    config = load_config(ROOT / "config.toml")
+    engine = replace(
+        config.engine,
+        target=Path(args.target),
+        draft=Path(args.draft),
+        drafter="draft_model",
+        draft_quantization="int8" if args.quantize else "none",
+    )
+    snapshot = replace(config, engine=engine)
+    models = load_models(snapshot)
+    tokenizer = models.target.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens)
     items = [WorkItem(p, params, "code", None) for p in code_prompts(args.prompts, args.seed)]
     max_seq_len = 2048
@@ -41,21 +52,14 @@ def main() -> None:
     print(f"{len(items)} held-out code prompts, greedy, {args.max_tokens} tokens each, draft model in {draft_kind}")
     print(f"{'batch':>5} {'drafter':<12} {'mode':<9} {'tok/s':>8} {'x none':>7} {'acc/round':>9}")
     for batch in (1, 4):
-        factories = {
-            kind: lambda kind=kind, b=batch: make_drafter(kind, draft, b, max_seq_len, quantize=args.quantize)
-            for kind in ("draft_model", "ngram", "hybrid")
-        }
-        warm = build_controller("static:3", target, factories["draft_model"], batch, max_seq_len, PolicyParams())
-        run_mode(warm, items[:batch], target.tokenizer, batch)
-        none = run_mode(
-            build_controller("none", target, None, batch, max_seq_len, PolicyParams()), items, target.tokenizer, batch
-        )
+        run_mode(build_controller("static:3", snapshot, models, batch, max_seq_len), items[:batch], tokenizer, batch)
+        none = run_mode(build_controller("none", snapshot, models, batch, max_seq_len), items, tokenizer, batch)
         base = none.tokens / none.seconds
         print(f"{batch:>5} {'-':<12} {'none':<9} {base:>8.1f} {'1.00x':>7} {'-':>9}")
-        for name, factory in factories.items():
+        for name in ("draft_model", "ngram", "hybrid"):
             for k in STEPS:
-                controller = build_controller(f"static:{k}", target, factory, batch, max_seq_len, PolicyParams())
-                r = run_mode(controller, items, target.tokenizer, batch)
+                controller = build_controller(f"static:{k}+drafter={name}", snapshot, models, batch, max_seq_len)
+                r = run_mode(controller, items, tokenizer, batch)
                 rate = r.tokens / r.seconds
                 print(
                     f"{batch:>5} {name:<12} {'k=' + str(k):<9} {rate:>8.1f} {rate / base:>6.2f}x "

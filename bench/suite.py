@@ -24,9 +24,8 @@ import math
 import sys
 from pathlib import Path
 
-from bench.spec import ROOT, bench_settings, plot, print_table, read_workload, run_modes
-from engine.checkpoint import load_checkpoint
-from engine.drafters import DRAFT_MODEL_KINDS, Drafter, make_drafter
+from bench.spec import ROOT, bench_snapshot, plot, print_table, read_workload, run_modes, warm_up
+from daemon.runtime import load_models
 
 SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
 MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured"
@@ -82,37 +81,21 @@ def main(argv: list[str] | None = None) -> None:
     files = sorted(args.workloads.glob(pattern))
     if not files:
         raise SystemExit(f"{args.workloads}: no {pattern} workloads")
-    settings = bench_settings(args)
-    target = load_checkpoint(settings["target"])
-    kind = settings["drafter"]
-    draft = load_checkpoint(settings["draft"]) if kind in DRAFT_MODEL_KINDS else None
+    snapshot = bench_snapshot(args)
+    models = load_models(snapshot)
+    warm_up(snapshot, models, read_workload(files[0]), 1, args.max_seq_len)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.plots:
         args.plots.mkdir(parents=True, exist_ok=True)
 
     results: dict = {"split": args.split, "modes": modes, "concurrency": {}}
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-
-        def drafter_factory(concurrency: int = concurrency) -> Drafter | None:
-            return make_drafter(
-                kind,
-                draft,
-                concurrency,
-                args.max_seq_len,
-                quantize=settings["draft_quantization"] == "int8",
-                ngram_min=settings["ngram_min"],
-                ngram_max=settings["ngram_max"],
-                lookup_history=settings["lookup_history"],
-            )
-
         rates: dict[str, dict[str, float]] = {}
         tables: dict[str, dict] = {}
         for path in files:
             name = path.name.removesuffix(".jsonl")
             items = read_workload(path)
-            reports = run_modes(
-                modes, items, target, drafter_factory, concurrency, args.max_seq_len, settings, args.repeats
-            )
+            reports = run_modes(modes, items, snapshot, models, concurrency, args.max_seq_len, args.repeats)
             print(f"\n== {name}, concurrency {concurrency} ({len(items)} requests)")
             print_table(reports)
             sys.stdout.flush()

@@ -31,6 +31,8 @@ import anyio
 import structlog
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskStatus
 
+from control.bounded import clip
+
 log = structlog.get_logger("adaspec.admin")
 
 # struct ucred: pid, uid, gid.
@@ -210,12 +212,12 @@ class _AdminServer:
             reply = _error_reply(request_id, exc.code, exc.message)
             code = exc.code
         except Exception as exc:
-            log.exception("admin command failed", cmd=cmd, pid=peer.pid, uid=peer.uid)
+            log.exception("admin command failed", cmd=clip(cmd or ""), pid=peer.pid, uid=peer.uid)
             reply = _error_reply(request_id, "internal", f"internal error: {type(exc).__name__}: {exc}")
             code = "internal"
         log.info(
             "admin request",
-            cmd=cmd,
+            cmd=None if cmd is None else clip(cmd),
             pid=peer.pid,
             uid=peer.uid,
             ok=code is None,
@@ -225,11 +227,22 @@ class _AdminServer:
         return reply
 
 
+class _NonFinite(Exception):
+    pass
+
+
+def _reject_constant(name: str) -> float:
+    raise _NonFinite(name)
+
+
 def _decode_request(line: bytes) -> dict[str, Any]:
     try:
-        request = json.loads(line)
+        # Python reads NaN and Infinity, which JSON has not: a reply echoing one would not parse.
+        request = json.loads(line, parse_constant=_reject_constant)
+    except _NonFinite as exc:
+        raise AdminError("bad_request", f"{exc} is not a JSON number: only finite numbers are accepted") from None
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise AdminError("bad_json", f"request is not valid JSON: {exc}") from None
+        raise AdminError("bad_json", f"request is not valid JSON: {clip(str(exc))}") from None
     if not isinstance(request, dict):
         raise AdminError("bad_request", "request must be a JSON object")
     return request
@@ -301,8 +314,14 @@ class _LineReader:
 
 
 def _encode(reply: dict[str, Any]) -> bytes:
-    # ensure_ascii: whatever strings came in (lone surrogates included), the reply encodes.
-    return json.dumps(reply, separators=(",", ":")).encode("ascii") + b"\n"
+    # ensure_ascii: whatever strings came in (lone surrogates included), the reply encodes;
+    # allow_nan=False: a reply is strict JSON or an error that is.
+    try:
+        text = json.dumps(reply, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        error = {"code": "internal", "message": "the reply held a non-finite number"}
+        text = json.dumps({"id": None, "ok": False, "error": error}, separators=(",", ":"))
+    return text.encode("ascii") + b"\n"
 
 
 def _error_reply(request_id: Any, code: str, message: str) -> bytes:

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from control.bounded import clip
+from engine.config import DRAFT_MODEL_KINDS, CheckpointError, inspect_checkpoint, tokenizer_vocabulary
 from engine.policy import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
 
 if sys.version_info >= (3, 11):
@@ -34,15 +36,26 @@ class ConfigIssue:
     path: str  # "adaptive.candidate_steps", "adaptive.slots[1].min_batch_size", "<file>", "<toml>"
     message: str
 
+    def __post_init__(self) -> None:
+        # Whatever the file held, an error quotes a bounded part of it: a 10 MB value must not
+        # make every status reply and log line 10 MB.
+        object.__setattr__(self, "path", clip(self.path, 120))
+        object.__setattr__(self, "message", clip(self.message, 400))
+
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
+
+
+MAX_ISSUES = 50  # a file of a million bad keys is reported by its first ones
 
 
 class ConfigError(Exception):
     """A configuration that cannot be used; `issues` holds every problem found, not just the first."""
 
     def __init__(self, issues: Sequence[ConfigIssue]) -> None:
-        self.issues = list(issues)
+        self.issues = list(issues[:MAX_ISSUES])
+        if len(issues) > MAX_ISSUES:
+            self.issues.append(ConfigIssue("<file>", f"{len(issues) - MAX_ISSUES} more problems not listed"))
         super().__init__("\n".join(str(issue) for issue in self.issues))
 
 
@@ -94,6 +107,9 @@ class ServerSettings:
     port: int
     model_name: str | None
     max_queue: int
+    api_key: str | None = None
+    api_key_file: Path | None = None
+    metrics_need_key: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,7 @@ class Key:
     pattern: str | None = None  # a str value must fully match this regex ...
     pattern_doc: str = ""  # ... described like this in errors
     bounded_by_max_steps: bool = False  # holds step counts k, each of which needs a runtime state
+    secret: bool = False  # shown as "<hidden>" wherever the effective config is shown
 
 
 # Keys an older config may still hold, and what to do about each.
@@ -231,6 +248,10 @@ SCHEMA: Mapping[str, Section] = {
         "model_name": Key("str", None, "model id the API serves; default: the target directory's name"),
         "max_queue": Key("int", 64, "requests waiting beyond max_batch_size before new ones get 503", lo=0,
                          hi=100000),
+        "api_key": Key("str", None, "key every /v1 request must send as 'Authorization: Bearer KEY'; default: "
+                       "none (open), or ADASPEC_API_KEY", secret=True),
+        "api_key_file": Key("path", None, "a file holding the key instead (kept out of this file)"),
+        "metrics_need_key": Key("bool", False, "whether /metrics needs the key too (/health never does)"),
     }),
     "logging": Section(LoggingSettings, live=True, doc="log output", keys={
         "level": Key("str", "info", "least severe level written", choices=("debug", "info", "warning", "error")),
@@ -309,10 +330,14 @@ _NO_OVERRIDES: Mapping[str, object] = MappingProxyType({})
 def effective(snapshot: ConfigSnapshot, overrides: Mapping[str, object] = _NO_OVERRIDES) -> dict[str, dict]:
     """Every key's value and where it came from; `overrides` (admin pins) win and may name keys
     outside the file's schema, such as "adaptive.steps". Values are JSON-ready."""
-    out = {path: {"value": _plain(snapshot.get(path)), "source": snapshot.sources[path]} for path in key_paths()}
+    out = {path: {"value": _shown(path, snapshot.get(path)), "source": snapshot.sources[path]} for path in key_paths()}
     for path, value in overrides.items():
         out[path] = {"value": _plain(value), "source": "admin"}
     return out
+
+
+def _shown(path: str, value: Any) -> Any:
+    return "<hidden>" if value is not None and _key(path).secret else _plain(value)
 
 
 def _plain(value: Any) -> Any:
@@ -329,24 +354,32 @@ def _plain(value: Any) -> Any:
 # Loading.
 
 
-def load_config(path: str | os.PathLike[str], generation: int = 1) -> ConfigSnapshot:
+def load_config(path: str | os.PathLike[str], generation: int = 1, *, check_models: bool = False) -> ConfigSnapshot:
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as err:
         raise ConfigError([ConfigIssue("<file>", f"cannot read {path}: {err.strerror or err}")]) from None
-    return parse_config(data, path=path, generation=generation)
+    return parse_config(data, path=path, generation=generation, check_models=check_models)
 
 
-def parse_config(text: str | bytes, *, path: Path | None = None, generation: int = 1) -> ConfigSnapshot:
-    """Validate a whole file; raise ConfigError listing every problem, or return its snapshot."""
+def parse_config(
+    text: str | bytes, *, path: Path | None = None, generation: int = 1, check_models: bool = False
+) -> ConfigSnapshot:
+    """Validate a whole file; raise ConfigError listing every problem, or return its snapshot.
+    With `check_models`, the checkpoints it names must be in place (`model_issues`)."""
     raw = text.encode() if isinstance(text, str) else bytes(text)
     path = Path(path).absolute() if path is not None else None
     document = _read_toml(text)
+    if not document and not raw.strip():
+        # An editor that truncates before it writes, or `: > config.toml`: never "all defaults".
+        raise ConfigError([ConfigIssue("<file>", "the file is empty")])
     issues: list[ConfigIssue] = []
     explicit, invalid = _check_document(document, issues)
     values, sources = _fill_defaults(explicit, invalid, base=path.parent if path else Path.cwd())
     _check_across(values, sources, explicit, issues)
+    if check_models:
+        issues += model_issues(values)
     if issues:
         raise ConfigError(issues)
     sections = {name: _build_section(name, values) for name in SCHEMA}
@@ -441,12 +474,12 @@ def _check_table(
 def _check_value(key: Key, value: Any) -> Any:
     value = _CONVERT[key.kind](value)
     if key.pattern and not re.fullmatch(key.pattern, value):
-        raise _Invalid(f"must be {key.pattern_doc}, got {value!r}")
+        raise _Invalid(f"must be {key.pattern_doc}, got {clip(repr(value))}")
     if value in key.retired:
         raise _Invalid(f"{value!r} is no longer offered: {key.retired[value]}")
     if key.choices and value not in key.choices:
         listed = ", ".join(repr(c) for c in key.choices)
-        raise _Invalid(f"must be one of {listed}, got {value!r}{_suggest(value, key.choices)}")
+        raise _Invalid(f"must be one of {listed}, got {clip(repr(value))}{_suggest(value, key.choices)}")
     for number in value if isinstance(value, tuple) else (value,):
         if isinstance(number, int | float) and not isinstance(number, bool):
             _check_range(key, number)
@@ -578,10 +611,52 @@ def _resolve(value: str | Path, base: Path) -> Path:
     return base / Path(value).expanduser()
 
 
+def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
+    """Whether the target, and the draft where the drafter runs one, are checkpoint directories
+    (config.json of a supported architecture, weights, tokenizer.json), and the draft shares the
+    target's tokenizer; read without loading any weights."""
+    issues: list[ConfigIssue] = []
+    found = {}
+    names = ["engine.target"]
+    if values.get("engine.drafter") in DRAFT_MODEL_KINDS:
+        names.append("engine.draft")
+    for name in names:
+        if values.get(name) is None:
+            continue  # invalid itself: already reported
+        try:
+            found[name] = (values[name], inspect_checkpoint(values[name]))
+        except CheckpointError as err:
+            issues.append(ConfigIssue(name, str(err)))
+    if len(found) == 2:
+        (target, target_config), (draft, draft_config) = found["engine.target"], found["engine.draft"]
+        same_vocabulary = tokenizer_vocabulary(draft) == tokenizer_vocabulary(target)
+        if draft_config.vocab_size != target_config.vocab_size or not same_vocabulary:
+            issues.append(
+                ConfigIssue(
+                    "engine.draft",
+                    f"{draft} does not share the target's tokenizer (vocabulary of {draft_config.vocab_size}, "
+                    f'the target {target_config.vocab_size}): pick a draft of the same family, or drafter = "ngram"',
+                )
+            )
+    return issues
+
+
 def _check_across(
     values: Mapping[str, Any], sources: Mapping[str, str], explicit: Mapping[str, Any], issues: list[ConfigIssue]
 ) -> None:
     """Rules that involve more than one key. A key that is itself invalid is not judged again."""
+    if values.get("server.api_key") is not None and values.get("server.api_key_file") is not None:
+        issues.append(ConfigIssue("server.api_key_file", "set server.api_key or server.api_key_file, not both"))
+    if values.get("server.api_key") == "":
+        issues.append(ConfigIssue("server.api_key", "must not be empty (leave it out for an open API)"))
+    key_file = values.get("server.api_key_file")
+    if key_file is not None:
+        try:
+            if not Path(key_file).read_text(encoding="utf-8").strip():
+                issues.append(ConfigIssue("server.api_key_file", f"{key_file}: the key file is empty"))
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            issues.append(ConfigIssue("server.api_key_file", f"cannot read {key_file}: {reason}"))
     low, high = values.get("engine.ngram_min"), values.get("engine.ngram_max")
     if low is not None and high is not None and low > high:
         issues.append(ConfigIssue("engine.ngram_min", f"must be <= engine.ngram_max ({high}), got {low}"))
@@ -618,6 +693,8 @@ def _key(path: str) -> Key:
 
 
 def _suggest(word: str, known: Sequence[str] | Mapping[str, Any]) -> str:
+    if len(word) > 64:
+        return ""  # no key or choice is that long, and matching one would take a while
     close = difflib.get_close_matches(word, list(known), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -631,7 +708,7 @@ def _describe(value: Any) -> str:
     if isinstance(value, float):
         return f"float {value}"
     if isinstance(value, str):
-        return f"string {value!r}"
+        return f"string {clip(repr(value))}"
     if isinstance(value, list):
         return "an array"
     if isinstance(value, dict):

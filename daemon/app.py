@@ -22,6 +22,7 @@ from watchfiles import Change, awatch
 
 from control.admin import serve_admin
 from control.config import ConfigSnapshot
+from daemon.auth import api_key
 from daemon.chat import ChatTemplate
 from daemon.commands import AdminCommands
 from daemon.http import HttpServer, OpenAIApi
@@ -29,6 +30,7 @@ from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.reload import Reloader
 from daemon.runtime import build_engine
+from daemon.startup import Startup
 from engine.loop import EngineLoop
 
 log = structlog.get_logger("adaspec.daemon")
@@ -53,27 +55,17 @@ class Daemon:
         self.notifier.extend_timeout(START_TIMEOUT_EXTENSION_S)
         self.notifier.status("loading models and building runtime states")
         log.info("starting", config=str(self.config_path), generation=self.snapshot.generation, pid=os.getpid())
+        try:
+            key = api_key(self.snapshot.server)
+        except (OSError, ValueError) as err:  # the key file went away since the config was read
+            log.error("cannot read the API key", error=str(err))
+            return 1
         metrics = Metrics(self.snapshot.engine.max_steps)
-        loop = await anyio.to_thread.run_sync(
-            partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch),
-            self.snapshot,
-            self._progress,
-        )
-        self.loop = loop
-        states = {s.k: round(s.build_seconds, 4) for s in loop.engine.states.values()}
-        log.info("runtime states built", build_seconds=states)
-        self.thread = threading.Thread(target=loop.run, name="adaspec-engine", daemon=True)
-        self.thread.start()
-        reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
-        commands = AdminCommands(loop, reloader, self.started)
-        metrics.watch(loop, reloader)
-        api = self._api(loop, metrics)
-        server = self.snapshot.server
-        http = HttpServer(api.app, server.host, server.port)
+        startup = Startup(self.notifier)
+        commands = AdminCommands(startup, self.started)
         admin = self.snapshot.admin
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._handle_signals, reloader, tg.cancel_scope)
+            # The admin socket answers from the start: `adaspecctl status` names the phase.
             await tg.start(
                 partial(
                     serve_admin,
@@ -85,32 +77,50 @@ class Daemon:
                     max_connections=admin.max_connections,
                 )
             )
+            try:
+                loop = await anyio.to_thread.run_sync(
+                    partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch),
+                    self.snapshot,
+                    startup.phase,
+                )
+            except Exception:  # logged with its phase; the admin socket goes with the task group
+                tg.cancel_scope.cancel()
+                return 1
+            self.loop = loop
+            log.info("started", seconds=round(time.monotonic() - startup.started, 3))
+            self.thread = threading.Thread(target=loop.run, name="adaspec-engine", daemon=True)
+            self.thread.start()
+            reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
+            metrics.watch(loop, reloader)
+            api = self._api(loop, metrics, key)
+            server = self.snapshot.server
+            http = HttpServer(api.app, server.host, server.port)
+            tg.start_soon(self._handle_signals, reloader, tg.cancel_scope)
             commands.http = await tg.start(http.serve)
+            commands.serve(loop, reloader)
             tg.start_soon(self._watch_config, reloader)
             tg.start_soon(self._report, reloader)
             self.notifier.ready()
             api.ready = True
-            log.info("ready", admin_socket=str(admin.socket), http=commands.http, steps=loop.controller.steps)
+            log.info("ready", admin_socket=str(admin.socket), http=commands.http, steps=loop.status.k)
             await self.stopping.wait()
             await self._drain()
             await http.close()
             tg.cancel_scope.cancel()
         return await self._stop_engine()
 
-    def _api(self, loop: EngineLoop, metrics: Metrics) -> OpenAIApi:
-        target = self.snapshot.engine.target
+    def _api(self, loop: EngineLoop, metrics: Metrics, key: str | None) -> OpenAIApi:
+        target, server = self.snapshot.engine.target, self.snapshot.server
+        log.info("http api key", required=key is not None, metrics_need_key=server.metrics_need_key and key is not None)
         return OpenAIApi(
             loop,
             metrics,
-            model=self.snapshot.server.model_name or target.name,
-            max_queue=self.snapshot.server.max_queue,
+            model=server.model_name or target.name,
+            max_queue=server.max_queue,
             chat_template=ChatTemplate.from_checkpoint(target),
+            api_key=key,
+            metrics_need_key=server.metrics_need_key,
         )
-
-    def _progress(self, message: str) -> None:
-        self.notifier.extend_timeout(START_TIMEOUT_EXTENSION_S)
-        self.notifier.status(message)
-        log.info("startup", step=message)
 
     async def _handle_signals(self, reloader: Reloader, scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -131,7 +141,7 @@ class Daemon:
         self.loop.drain()
         deadline = self.snapshot.shutdown.drain_timeout_s
         with anyio.move_on_after(deadline, shield=True) as scope:
-            while self.loop.in_flight or self.loop.engine.has_work:
+            while self.loop.in_flight:
                 await anyio.sleep(0.02)
         if scope.cancelled_caught:
             log.warning("drain deadline passed", in_flight=self.loop.in_flight, deadline_s=deadline)
@@ -175,8 +185,8 @@ class Daemon:
         while True:
             loop = self.loop
             self.notifier.status(
-                f"k={loop.controller.steps} mode={loop.controller.mode_name} "
-                f"tokens/s={loop.stats.tokens_per_s:.1f} generation={reloader.snapshot.generation}"
+                f"k={loop.status.k} mode={loop.status.mode} "
+                f"tokens/s={loop.status.tokens_per_s:.1f} generation={reloader.snapshot.generation}"
             )
             if watchdog:
                 age = time.monotonic() - loop.heartbeat

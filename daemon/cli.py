@@ -18,11 +18,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--config", type=Path, help="run with this TOML config (hot-reloaded)")
     group.add_argument("--check-config", type=Path, metavar="PATH", help="validate a config file and exit")
+    parser.add_argument(
+        "--no-check-models",
+        dest="check_models",
+        action="store_false",
+        help="with --check-config: skip checking that the model directories are in place",
+    )
     args = parser.parse_args(argv)
 
     path: Path = args.check_config or args.config
     try:
-        snapshot = load_config(path)
+        snapshot = load_config(path, check_models=args.check_models or not args.check_config)
     except ConfigError as err:
         print(f"adaspecd: {path}: {len(err.issues)} error(s)", file=sys.stderr)
         for issue in err.issues:

@@ -10,8 +10,10 @@ from typing import Any
 import anyio
 
 from control.admin import AdminError, Peer
+from control.bounded import clip
 from control.config import effective
 from daemon.reload import Reloader
+from daemon.startup import Startup
 from engine.controller import Ack
 from engine.loop import EngineLoop
 
@@ -29,10 +31,13 @@ HELP = {
 
 
 class AdminCommands:
-    def __init__(self, loop: EngineLoop, reloader: Reloader, started: float | None = None) -> None:
-        self.loop = loop
-        self.controller = loop.controller
-        self.reloader = reloader
+    """Answers from the moment the daemon starts: while it loads, `status` names the start-up
+    phase and other commands say it is starting; `serve` hands them the running engine."""
+
+    def __init__(self, startup: Startup, started: float | None = None) -> None:
+        self.startup = startup
+        self.loop: EngineLoop | None = None
+        self.reloader: Reloader | None = None
         self.started = started or time.time()
         self.http: str | None = None  # the HTTP API's bound "host:port", once it listens
         self._commands: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
@@ -45,26 +50,36 @@ class AdminCommands:
             "help": self.help,
         }
 
+    def serve(self, loop: EngineLoop, reloader: Reloader) -> None:
+        self.loop, self.reloader = loop, reloader
+
     async def __call__(self, cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
         command = self._commands.get(cmd)
+        if self.loop is None and command is not None and cmd not in ("status", "help"):
+            phase = self.startup.status()["phase"]
+            raise AdminError("starting", f"the daemon is starting (phase: {phase}); {cmd} works once it is ready")
         if command is None:
-            raise AdminError("unknown_command", f"unknown command {cmd!r}; commands: {', '.join(self._commands)}")
+            known = ", ".join(self._commands)
+            raise AdminError("unknown_command", f"unknown command {clip(repr(cmd))}; commands: {known}")
         return await command(args)
 
     # ---- reading -------------------------------------------------------------------------
 
     async def status(self, args: dict[str, Any]) -> dict[str, Any]:
-        controller, engine, stats = self.controller, self.loop.engine, self.loop.stats
+        if self.loop is None or self.reloader is None:
+            return {**self.startup.status(), "uptime_s": round(time.time() - self.started, 3)}
+        engine = self.loop.status  # published by the engine thread: never its live fields
         snapshot = self.reloader.snapshot
         last = self.reloader.last
         return {
-            "steps": controller.steps,
-            "mode": controller.mode_name,
-            "strategy": controller.params.strategy,
-            "candidate_steps": list(controller.params.candidate_steps),
-            "ema": round(controller.policy.ema, 4),
+            "state": "serving",
+            "steps": engine.k,
+            "mode": engine.mode,
+            "strategy": engine.params.strategy,
+            "candidate_steps": list(engine.params.candidate_steps),
+            "ema": round(engine.ema, 4),
             "round": engine.round,
-            "switches": controller.switches,
+            "switches": engine.switches,
             "generation": snapshot.generation,
             "config_sha256": snapshot.sha256,
             "last_reload": {
@@ -78,12 +93,12 @@ class AdminCommands:
             "restart_required": list(last.restart_required),
             "runtime_states": [
                 {"k": s.k, "build_seconds": round(s.build_seconds, 4), "memory_bytes": s.memory_bytes}
-                for s in sorted(engine.states.values(), key=lambda s: s.k)
+                for s in engine.states
             ],
-            "tokens_per_s": round(stats.tokens_per_s, 2),
-            "tokens": stats.tokens,
-            "mean_accepted_drafts": round(stats.mean_accepted_drafts, 4),
-            "running": len(engine.running),
+            "tokens_per_s": round(engine.tokens_per_s, 2),
+            "tokens": engine.tokens,
+            "mean_accepted_drafts": round(engine.mean_accepted_drafts, 4),
+            "running": engine.running,
             "in_flight": self.loop.in_flight,
             "http": self.http,
             "uptime_s": round(time.time() - self.started, 3),
@@ -91,8 +106,9 @@ class AdminCommands:
 
     async def config(self, args: dict[str, Any]) -> dict[str, Any]:
         overrides: dict[str, object] = {}
-        if self.controller.pinned is not None:
-            overrides["adaptive.steps"] = self.controller.pinned
+        pinned = self.loop.status.pinned
+        if pinned is not None:
+            overrides["adaptive.steps"] = pinned
         return {"generation": self.reloader.snapshot.generation, "values": effective(self.reloader.snapshot, overrides)}
 
     async def help(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -101,17 +117,16 @@ class AdminCommands:
     # ---- changing ------------------------------------------------------------------------
 
     async def pin(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._applied(self.controller.pin(_steps(args)))
+        return await self._applied(self.loop.pin(_steps(args)))
 
     async def unpin(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._applied(self.controller.unpin())
+        return await self._applied(self.loop.unpin())
 
     async def force(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._applied(self.controller.force(_steps(args)))
+        return await self._applied(self.loop.force(_steps(args)))
 
     async def _applied(self, done: Future[Ack]) -> dict[str, Any]:
         """Wait until the engine has applied the message at a boundary."""
-        self.loop.wake()
         try:
             ack = await anyio.to_thread.run_sync(done.result, APPLY_TIMEOUT_S)
         except TimeoutError:
@@ -130,7 +145,7 @@ class AdminCommands:
 def _steps(args: dict[str, Any]) -> int:
     steps = args.get("steps")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise AdminError("bad_args", f'expected {{"steps": K}} with an integer K >= 0, got {args!r}')
+        raise AdminError("bad_args", f'expected {{"steps": K}} with an integer K >= 0, got {clip(repr(args))}')
     unknown = set(args) - {"steps"}
     if unknown:
         raise AdminError("bad_args", f"unknown arguments: {', '.join(sorted(unknown))}")

@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from daemon.auth import ApiKeyMiddleware
 from daemon.chat import ChatTemplate, ChatTemplateError
 from daemon.metrics import Metrics, MetricsMiddleware
 from daemon.protocol import ApiError, GenerateRequest, Reply, Usage, parse_chat, parse_completion
@@ -112,7 +113,7 @@ class Submission:
             "rounds": self.rounds,
             "accepted_drafts": self.accepted,
             "proposed_drafts": self.proposed,
-            "steps": self.loop.controller.steps,
+            "steps": self.loop.status.k,
         }
 
 
@@ -120,7 +121,15 @@ class OpenAIApi:
     """The routes. `ready` is set by the daemon once it has told systemd READY=1."""
 
     def __init__(
-        self, loop: EngineLoop, metrics: Metrics, *, model: str, max_queue: int, chat_template: ChatTemplate
+        self,
+        loop: EngineLoop,
+        metrics: Metrics,
+        *,
+        model: str,
+        max_queue: int,
+        chat_template: ChatTemplate,
+        api_key: str | None = None,
+        metrics_need_key: bool = False,
     ) -> None:
         self.loop = loop
         self.metrics = metrics
@@ -140,7 +149,8 @@ class OpenAIApi:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_text, methods=["GET"]),
             ],
-            middleware=[Middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)],
+            middleware=[Middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)]
+            + ([Middleware(ApiKeyMiddleware, key=api_key, protect_metrics=metrics_need_key)] if api_key else []),
             exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         )
 

@@ -116,14 +116,14 @@ class _StateCollector(Collector):
         self.reloader = reloader
 
     def collect(self) -> Iterable[Metric]:
-        loop = self.loop
-        yield GaugeMetricFamily("adaspec_steps", "Step count k the next round runs with", value=loop.controller.steps)
+        loop, status = self.loop, self.loop.status
+        yield GaugeMetricFamily("adaspec_steps", "Step count k the next round runs with", value=status.k)
         yield GaugeMetricFamily(
             "adaspec_requests_in_flight",
             "Requests submitted and not finished (running and queued)",
             value=loop.in_flight,
         )
-        yield GaugeMetricFamily("adaspec_running_sequences", "Sequences in the batch", value=len(loop.engine.running))
+        yield GaugeMetricFamily("adaspec_running_sequences", "Sequences in the batch", value=status.running)
         yield GaugeMetricFamily(
             "adaspec_config_generation",
             "Generation of the configuration in force",
@@ -140,7 +140,7 @@ class _StateCollector(Collector):
         memory = GaugeMetricFamily(
             "adaspec_runtime_state_memory_bytes", "Memory held by the runtime state for k", labels=["k"]
         )
-        for state in sorted(list(loop.engine.states.values()), key=lambda s: s.k):
+        for state in status.states:
             build.add_metric([str(state.k)], state.build_seconds)
             memory.add_metric([str(state.k)], state.memory_bytes)
         yield build

@@ -2,7 +2,7 @@
 
 Read the file, hash it (an unchanged file is a no-op), validate it whole, diff it against the
 running snapshot, apply the live sections ([adaptive] at the engine's next boundary, after any
-missing runtime state is built off the hot path; [logging] at once), and report the rest as
+missing runtime state is built by the engine thread between rounds; [logging] at once), and report the rest as
 needing a restart. A rejected file changes nothing: the previous snapshot keeps running.
 """
 
@@ -92,7 +92,7 @@ class Reloader:
         if hashlib.sha256(data).hexdigest() == current.sha256:
             return ReloadOutcome(ok=True, trigger=trigger, generation=current.generation, unchanged=True)
         try:
-            new = parse_config(data, path=self.path, generation=current.generation + 1)
+            new = parse_config(data, path=self.path, generation=current.generation + 1, check_models=True)
         except ConfigError as err:
             return self._rejected(trigger, *(str(issue) for issue in err.issues))
 
@@ -125,18 +125,15 @@ class Reloader:
         )
 
     async def _apply_adaptive(self, new: ConfigSnapshot) -> int:
-        engine = self.loop.engine
+        built = {state.k for state in self.loop.status.states}
         for k in required_steps(new):
-            if k not in engine.states:
+            if k not in built:
                 log.info("building runtime state", k=k)
-                await anyio.to_thread.run_sync(engine.build_state, k)
+                await anyio.to_thread.run_sync(self.loop.build_state(k).result, APPLY_TIMEOUT_S)
         if self.boot.engine.drafter == "none":
-            return engine.round  # nothing to adapt without a drafter
+            return self.loop.status.round  # nothing to adapt without a drafter
         adaptive = new.adaptive
-        done = self.loop.controller.set_params(
-            adaptive.policy, adaptive=adaptive.enabled, static_steps=adaptive.static_steps
-        )
-        self.loop.wake()
+        done = self.loop.set_params(adaptive.policy, adaptive=adaptive.enabled, static_steps=adaptive.static_steps)
         ack = await anyio.to_thread.run_sync(done.result, APPLY_TIMEOUT_S)
         return ack.round
 

@@ -1,17 +1,35 @@
-"""Turning the [engine] and [adaptive] sections of a config snapshot into a running engine."""
+"""Turning the [engine] and [adaptive] sections of a config snapshot into a running engine: the one
+way an engine is assembled, by the daemon, the benches and the tools alike."""
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import replace
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
 
 from control.config import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.config import DRAFT_MODEL_KINDS
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
-from engine.drafters import DRAFT_MODEL_KINDS, Drafter, DraftModelDrafter, make_drafter
+from engine.drafters import make_drafter
 from engine.loop import EngineLoop, StepObserver
+
+# Wraps each slow phase of assembling an engine, named, so that start-up can report it.
+Phase = Callable[[str], AbstractContextManager[object]]
+
+
+def unreported(name: str) -> AbstractContextManager[object]:
+    return nullcontext()
+
+
+@dataclass(frozen=True)
+class Models:
+    """The checkpoints a config names, loaded once: engines built from them share the weights."""
+
+    target: Checkpoint
+    draft: Checkpoint | None  # for the drafters that run a draft model
 
 
 def required_steps(snapshot: ConfigSnapshot) -> tuple[int, ...]:
@@ -24,27 +42,80 @@ def required_steps(snapshot: ConfigSnapshot) -> tuple[int, ...]:
     return tuple(sorted(steps))
 
 
-def build_drafter(snapshot: ConfigSnapshot, progress: Callable[[str], None]) -> Drafter | None:
-    engine = snapshot.engine
+def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported) -> Models:
+    settings = snapshot.engine
+    dtype = None if settings.dtype == "auto" else settings.dtype
+    with phase(f"load target {settings.target}"):
+        target = load_checkpoint(settings.target, settings.device, dtype)
     draft = None
-    if engine.drafter in DRAFT_MODEL_KINDS:
-        progress(f"loading draft {engine.draft}")
-        draft = load_checkpoint(engine.draft, engine.device, None if engine.dtype == "auto" else engine.dtype)
-    return make_drafter(
-        engine.drafter,
-        draft,
-        engine.max_batch_size,
-        engine.max_seq_len,
-        quantize=engine.draft_quantization == "int8",
-        ngram_min=engine.ngram_min,
-        ngram_max=engine.ngram_max,
-        lookup_history=engine.lookup_history,
+    if settings.drafter in DRAFT_MODEL_KINDS:
+        with phase(f"load draft {settings.draft}"):
+            draft = load_checkpoint(settings.draft, settings.device, dtype)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"draft {settings.draft} has a vocabulary of {draft.config.vocab_size}, "
+                f"the target {target.config.vocab_size}: they must share a tokenizer"
+            )
+    return Models(target, draft)
+
+
+def build_controller(
+    snapshot: ConfigSnapshot,
+    models: Models,
+    *,
+    max_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+    on_switch: SwitchObserver | None = None,
+    phase: Phase = unreported,
+) -> Controller:
+    """An engine and its controller as the snapshot describes them, every runtime state built
+    (`max_batch_size` and `max_seq_len` override the config's, for benches)."""
+    settings = snapshot.engine
+    batch = max_batch_size or settings.max_batch_size
+    seq_len = max_seq_len or settings.max_seq_len
+    drafter = None
+    if settings.drafter != "none":
+        drafter = make_drafter(
+            settings.drafter,
+            models.draft,
+            batch,
+            seq_len,
+            quantize=settings.draft_quantization == "int8",
+            ngram_min=settings.ngram_min,
+            ngram_max=settings.ngram_max,
+            lookup_history=settings.lookup_history,
+        )
+    first, *others = required_steps(snapshot)
+    with phase(f"allocate caches, build runtime state k={first}"):
+        engine = Engine(
+            models.target,
+            drafter,
+            batch,
+            seq_len,
+            [first],
+            max_steps=settings.max_steps,
+            verification=settings.verification,
+        )
+    for k in others:
+        with phase(f"build runtime state k={k}"):
+            engine.build_state(k)
+    adaptive = snapshot.adaptive
+    if drafter is None:
+        plain = replace(adaptive.policy, candidate_steps=(0,), slots=())
+        return Controller(engine, plain, adaptive=False, static_steps=0, on_switch=on_switch)
+    return Controller(
+        engine,
+        adaptive.policy,
+        adaptive=adaptive.enabled,
+        static_steps=adaptive.static_steps,
+        initial_steps=adaptive.initial_steps,
+        on_switch=on_switch,
     )
 
 
 def build_engine(
     snapshot: ConfigSnapshot,
-    progress: Callable[[str], None] = lambda _: None,
+    phase: Phase = unreported,
     *,
     on_step: StepObserver | None = None,
     on_switch: SwitchObserver | None = None,
@@ -52,42 +123,8 @@ def build_engine(
     """Load the models and build every runtime state the config names (slow: run in a thread).
 
     `on_step` and `on_switch` observe every round and every change of k, on the engine thread."""
-    settings = snapshot.engine
-    progress(f"loading target {settings.target}")
-    target: Checkpoint = load_checkpoint(
-        settings.target, settings.device, None if settings.dtype == "auto" else settings.dtype
-    )
-    drafter = build_drafter(snapshot, progress)
-    if drafter is not None and isinstance(drafter, DraftModelDrafter):
-        if drafter.model.config.vocab_size != target.config.vocab_size:
-            raise ValueError(
-                f"draft {settings.draft} has a vocabulary of {drafter.model.config.vocab_size}, "
-                f"the target {target.config.vocab_size}: they must share a tokenizer"
-            )
-    steps = required_steps(snapshot)
-    progress(f"building runtime states for k in {list(steps)}")
-    engine = Engine(
-        target,
-        drafter,
-        settings.max_batch_size,
-        settings.max_seq_len,
-        steps,
-        max_steps=settings.max_steps,
-        verification=settings.verification,
-    )
-    adaptive = snapshot.adaptive
-    if drafter is None:
-        plain = replace(adaptive.policy, candidate_steps=(0,), slots=())
-        controller = Controller(engine, plain, adaptive=False, static_steps=0, on_switch=on_switch)
-    else:
-        controller = Controller(
-            engine,
-            adaptive.policy,
-            adaptive=adaptive.enabled,
-            static_steps=adaptive.static_steps,
-            initial_steps=adaptive.initial_steps,
-            on_switch=on_switch,
-        )
+    models = load_models(snapshot, phase)
+    controller = build_controller(snapshot, models, on_switch=on_switch, phase=phase)
     # Start-up made millions of objects (torch, the models) that live as long as the process; the
     # collector would walk them again and again, a few percent of every round's time.
     gc.freeze()

@@ -148,3 +148,34 @@ def _sliding_window(family: str, raw: dict[str, Any], source: str) -> int | None
     if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         raise CheckpointError(f"{source}: use_sliding_window=true is not supported for {family}")
     return None
+
+
+# The drafters that run a draft model, which [engine] draft names.
+DRAFT_MODEL_KINDS = ("draft_model", "hybrid")
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def inspect_checkpoint(path: Path) -> ModelConfig:
+    """What a checkpoint directory holds, read without loading its weights: its config, once
+    `config.json`, weights and `tokenizer.json` are found (CheckpointError naming what is not)."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (a checkpoint is a directory)")
+    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        missing.append(" or ".join(WEIGHT_FILES))
+    if missing:
+        raise CheckpointError(f"{path}: not a checkpoint directory, missing {', '.join(missing)}")
+    return ModelConfig.from_file(path / "config.json")
+
+
+def tokenizer_vocabulary(path: Path) -> dict[str, int] | None:
+    """The token-to-id map of a checkpoint's tokenizer.json, where it has one."""
+    try:
+        model = json.loads((path / "tokenizer.json").read_text()).get("model") or {}
+    except (OSError, ValueError):
+        return None
+    vocab = model.get("vocab")
+    return vocab if isinstance(vocab, dict) else None

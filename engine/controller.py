@@ -6,16 +6,15 @@ Modes:
 - forced(k): k is used from the next boundary, then the policy adapts again from there;
 - static: adaptation is disabled in the config; k is fixed.
 
-Control messages (new parameters, pin, unpin, force) may come from any thread. They are queued
-and applied only between steps, and each is acknowledged with the round at which it took effect.
+Control messages (new parameters, pin, unpin, force) are applied with `apply` between steps, on
+the engine thread (engine/loop.py queues them from other threads); each is acknowledged with the
+round from which it takes effect.
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
@@ -78,7 +77,6 @@ class Controller:
         self.pinned: int | None = None
         self.forced: int | None = None  # k for the next round only
         self.switches = 0
-        self._inbox: queue.SimpleQueue[tuple[Message, Future[Ack]]] = queue.SimpleQueue()
         self._steps = self._wanted_steps()
         self._reason = "start"
         self._require_state(self._steps)
@@ -103,36 +101,18 @@ class Controller:
         if k not in self.engine.states:
             raise ValueError(f"no runtime state for step count {k}; built: {sorted(self.engine.states)}")
 
-    # ---- control messages (any thread) ---------------------------------------------------
+    # ---- control messages (between steps) -------------------------------------------------
 
-    def submit(self, message: Message) -> Future[Ack]:
-        done: Future[Ack] = Future()
-        self._inbox.put((message, done))
-        return done
+    def apply(self, message: Message) -> Ack:
+        """Apply a control message before the next round; ValueError or KeyError (and nothing
+        changed) if it cannot be."""
+        reason = self._apply(message)
+        self._set_steps(self._wanted_steps(), reason)
+        return self.ack()
 
-    def pin(self, steps: int) -> Future[Ack]:
-        return self.submit(Pin(steps))
-
-    def unpin(self) -> Future[Ack]:
-        return self.submit(Unpin())
-
-    def force(self, steps: int) -> Future[Ack]:
-        return self.submit(Force(steps))
-
-    def set_params(self, params: PolicyParams, adaptive: bool = True, static_steps: int | None = None) -> Future[Ack]:
-        return self.submit(SetParams(params, adaptive, static_steps))
-
-    def apply_pending(self) -> None:
-        """Apply queued control messages now (the loop calls this between steps and while idle)."""
-        while not self._inbox.empty():
-            message, done = self._inbox.get_nowait()
-            try:
-                reason = self._apply(message)
-            except (ValueError, KeyError) as err:
-                done.set_exception(err)
-                continue
-            self._set_steps(self._wanted_steps(), reason)
-            done.set_result(Ack(self.engine.round, self._steps, self.mode_name))
+    def ack(self) -> Ack:
+        """What the next round runs with."""
+        return Ack(self.engine.round, self._steps, self.mode_name)
 
     def _apply(self, message: Message) -> str:
         if isinstance(message, Pin):
@@ -185,8 +165,7 @@ class Controller:
             self.on_switch(previous, k, reason)
 
     def step(self) -> StepResult:
-        """Apply queued control messages, then run one round with the chosen state."""
-        self.apply_pending()
+        """Run one round with the chosen state."""
         self.engine.select(self._steps)
         started = time.perf_counter()
         result = self.engine.step()

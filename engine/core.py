@@ -6,12 +6,13 @@ emit them. New requests are prefilled and join, and finished ones leave, only be
 
 The step count k lives in a `RuntimeState` built for each candidate k before serving; changing
 k means selecting another built state between steps, never building one inside a round.
+
+Only the thread that calls `step()` touches an engine; from other threads, engine/loop.py's
+inbox is the one way in.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -109,9 +110,6 @@ class Engine:
         self.max_steps = max_steps
         self.cache = self.model.new_cache(max_batch_size, max_seq_len)
         self.backend = backend or backend_for(self.model.embed_tokens.weight.device)
-        # Held by each round and by graph capture: a state built from another thread must not
-        # capture while a round runs on the device.
-        self._device_lock = threading.Lock()
         self.graph_runner: GraphRunner | None = None
         self.draft_graph_runner: GraphRunner | None = None
         if graphs and self.backend.supports_graphs:
@@ -122,10 +120,7 @@ class Engine:
         self.round = 0
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
-        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        self._cancelled: set[str] = set()
-        self._cancel_lock = threading.Lock()
-        self._states_lock = threading.Lock()
+        self.cancelled: set[str] = set()  # request ids dropped at the next boundary
         self.states: dict[int, RuntimeState] = {}
         for k in sorted(set(candidate_steps)):
             self.build_state(k)
@@ -137,31 +132,26 @@ class Engine:
     # ---- runtime states -------------------------------------------------------------------
 
     def build_state(self, k: int) -> RuntimeState:
-        """Build the state for `k` (safe from any thread; the running round is not touched)."""
+        """Build the state for `k`, between rounds: its warm-up and graph capture use the device,
+        and would be timed into a round running beside them."""
         if not 0 <= k <= self.max_steps:
             raise ValueError(f"step count {k} is outside 0..{self.max_steps}")
         if k > 0 and self.drafter is None:
             raise ValueError(f"step count {k} needs a drafter; this engine has none")
-        with self._states_lock:
-            if k in self.states:
-                return self.states[k]
+        if k in self.states:
+            return self.states[k]
         started = time.perf_counter()
         graphs, memory = None, 0
-        if self.graph_runner is None:
-            self._warm_up_verify(k)
-        else:
-            # No round may run meanwhile: a capture fails if another thread touches the device.
-            with self._device_lock:
-                self._warm_up_verify(k)
-                graphs, memory = self._capture_graphs(k)
+        self._warm_up_verify(k)
+        if self.graph_runner is not None:
+            graphs, memory = self._capture_graphs(k)
         state = RuntimeState(k=k, build_seconds=time.perf_counter() - started, memory_bytes=memory, graphs=graphs)
-        with self._states_lock:
-            return self.states.setdefault(k, state)
+        self.states[k] = state
+        return state
 
     def _capture_graphs(self, k: int) -> tuple[GraphSet, int]:
         """State k's verify graphs, and the shared draft-step graphs if no state has captured them
-        yet (this state then pays for them); returns the graphs and the memory they added. The
-        caller holds the device lock."""
+        yet (this state then pays for them); returns the graphs and the memory they added."""
         assert self.graph_runner is not None
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], capture)
@@ -192,8 +182,7 @@ class Engine:
     def select(self, k: int) -> RuntimeState:
         """Make the state for `k` active from the next round on (a reference swap: its graphs are
         already captured). Call between steps only."""
-        with self._states_lock:
-            state = self.states.get(k)
+        state = self.states.get(k)
         if state is None:
             raise KeyError(f"no runtime state for step count {k}; built: {sorted(self.states)}")
         self.state = state
@@ -201,8 +190,9 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request (thread-safe); it joins the batch at the next boundary."""
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError naming what is wrong with a request this engine cannot serve (reads
+        only what never changes: safe from any thread)."""
         if not request.prompt:
             raise ValueError("the prompt is empty")
         total = len(request.prompt) + request.params.max_tokens
@@ -214,26 +204,25 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt):
             raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
-        self._inbox.put(request)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it joins the batch at the next boundary."""
+        self.check_request(request)
+        self.waiting.append(request)
 
     def cancel(self, request_id: str) -> None:
-        """Ask for a request to be dropped at the next boundary (thread-safe)."""
-        with self._cancel_lock:
-            self._cancelled.add(request_id)
+        """Drop a request at the next boundary: its last output says "cancelled"."""
+        self.cancelled.add(request_id)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or not self._inbox.empty())
+        return bool(self.running or self.waiting or self.cancelled)
 
     # ---- the round -----------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> StepResult:
         """One boundary and one round: admit, draft, verify, accept, emit, retire."""
-        with self._device_lock:
-            return self._step()
-
-    def _step(self) -> StepResult:
         state = self.state
         outputs: dict[str, SequenceOutput] = {}
         self._apply_cancellations(outputs)
@@ -348,8 +337,6 @@ class Engine:
     # ---- boundaries ----------------------------------------------------------------------
 
     def _admit(self, outputs: dict[str, SequenceOutput]) -> None:
-        while not self._inbox.empty():
-            self.waiting.append(self._inbox.get_nowait())
         admitted: list[Sequence] = []
         while self.waiting and self.cache.free_slots:
             request = self.waiting.popleft()
@@ -373,12 +360,7 @@ class Engine:
             self.drafter.admit([s for s in admitted if s.finish_reason is None])
 
     def _apply_cancellations(self, outputs: dict[str, SequenceOutput]) -> None:
-        with self._cancel_lock:
-            cancelled, self._cancelled = self._cancelled, set()
-        if not cancelled:
-            return
-        while not self._inbox.empty():
-            self.waiting.append(self._inbox.get_nowait())
+        cancelled, self.cancelled = self.cancelled, set()
         for request in [r for r in self.waiting if r.id in cancelled]:
             self.waiting.remove(request)
             outputs[request.id] = SequenceOutput(request.id, [], "cancelled", 0, 0, verified=False)

@@ -364,10 +364,6 @@ class HybridDrafter(DraftModelDrafter):
         self.lookups.release(seq)
 
 
-# The drafter kinds that load the draft model (engine.draft).
-DRAFT_MODEL_KINDS = ("draft_model", "hybrid")
-
-
 def make_drafter(
     kind: str,
     draft: Checkpoint | None,

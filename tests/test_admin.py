@@ -86,7 +86,7 @@ class Client:
                 except (anyio.EndOfStream, anyio.BrokenResourceError):
                     return None
         line, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(line)
+        return json.loads(line, parse_constant=strict_json)
 
     async def call(self, cmd: str, args: dict[str, Any] | None = None, id: Any = 1) -> dict[str, Any] | None:
         request: dict[str, Any] = {"id": id, "cmd": cmd}
@@ -94,6 +94,10 @@ class Client:
             request["args"] = args
         await self.send(request)
         return await self.recv()
+
+
+def strict_json(name: str) -> Any:
+    raise AssertionError(f"the reply holds {name}, which is not JSON")
 
 
 @asynccontextmanager
@@ -154,6 +158,8 @@ async def test_requests_on_one_connection_are_answered_in_order(sock_path: Path)
         (b'{"id": 8, "cmd": ""}\n', "bad_request", 8),
         (b'{"id": 9, "cmd": 42}\n', "bad_request", 9),
         (b'{"id": 10, "cmd": "echo", "args": [1]}\n', "bad_request", 10),
+        (b'{"id": NaN, "cmd": "help"}\n', "bad_request", None),  # Python reads NaN; JSON has none
+        (b'{"id": 11, "cmd": "echo", "args": {"x": -Infinity}}\n', "bad_request", None),
     ],
 )
 async def test_bad_requests_get_error_replies(sock_path: Path, line: bytes, code: str, reply_id: Any) -> None:
@@ -210,11 +216,12 @@ async def test_handler_crash_is_internal_and_the_server_keeps_serving(sock_path:
 
 async def test_non_dict_or_unserialisable_result_is_internal(sock_path: Path) -> None:
     async def handler(cmd: str, args: dict[str, Any], peer: Peer) -> Any:
-        return [1] if cmd == "list" else {"value": object()}
+        return [1] if cmd == "list" else {"value": object() if cmd == "object" else float("nan")}
 
     async with running(sock_path, handler), connect(sock_path) as client:
         assert (await client.call("list") or {})["error"]["code"] == "internal"
         assert (await client.call("object") or {})["error"]["code"] == "internal"
+        assert (await client.call("nan") or {})["error"]["code"] == "internal"  # strict JSON, always
 
 
 async def test_last_request_without_newline_is_answered_after_half_close(sock_path: Path) -> None:

@@ -103,3 +103,27 @@ def test_the_suite_summary_picks_one_static_k_for_all_traffic_and_names_the_wors
     assert abs(measured["vs_best_single_static"] - (2.2 * 0.9) ** 0.5) < 1e-9
     assert abs(measured["vs_best_static_per_workload"] - (1.1 * 0.9) ** 0.5) < 1e-9
     assert measured["worst_workload"] == "b" and abs(measured["worst_vs_its_best_static"] - 0.9) < 1e-9
+
+
+def test_bench_spec_without_a_config_runs_what_the_daemon_runs():
+    """The default mode of the default config, built by the bench, is the engine the daemon builds
+    from the shipped config.toml: the same models, drafter, runtime states and policy."""
+    from bench import spec
+    from control.config import load_config
+    from daemon.runtime import build_controller, load_models
+
+    args = spec.make_parser().parse_args(["--workload", "any.jsonl"])
+    snapshot = spec.bench_snapshot(args)
+    shipped = load_config(spec.ROOT / "config.toml")
+    assert (snapshot.engine, snapshot.adaptive) == (shipped.engine, shipped.adaptive)
+    models = load_models(snapshot)
+    daemon = build_controller(shipped, models, max_batch_size=2)
+    strategy = shipped.adaptive.policy.strategy
+    bench = spec.build_controller(f"adaptive:{strategy}", snapshot, models, 2, shipped.engine.max_seq_len)
+    for controller in (daemon, bench):
+        assert controller.mode_name == "adaptive" and controller.params == shipped.adaptive.policy
+    assert bench.steps == daemon.steps and sorted(bench.engine.states) == sorted(daemon.engine.states)
+    assert type(bench.engine.drafter) is type(daemon.engine.drafter)
+    assert bench.engine.drafter.name == shipped.engine.drafter
+    assert (bench.engine.verification, bench.engine.max_steps) == (daemon.engine.verification, daemon.engine.max_steps)
+    assert type(bench.engine.drafter.model) is type(daemon.engine.drafter.model)  # int8 or not, alike

@@ -25,6 +25,7 @@ from engine.policy import BatchSlot, PolicyParams
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "config.toml"
+DEFAULTS_ONLY = "# every key at its default\n"  # an empty file is an error
 
 
 def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
@@ -45,7 +46,7 @@ def issues_of(tmp_path: Path, text: str) -> dict[str, str]:
 
 def test_shipped_config_parses_and_holds_the_defaults():
     shipped = load_config(SHIPPED)
-    defaults = parse_config("", path=SHIPPED)
+    defaults = parse_config(DEFAULTS_ONLY, path=SHIPPED)
     assert effective(shipped) == {
         path: {"value": entry["value"], "source": shipped.sources[path]} for path, entry in effective(defaults).items()
     }
@@ -151,9 +152,9 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
 def test_socket_default_falls_back_to_xdg_then_tmp(tmp_path, monkeypatch):
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
-    assert parse_config("").admin.socket == Path("/run/user/1000/adaspec/admin.sock")
+    assert parse_config(DEFAULTS_ONLY).admin.socket == Path("/run/user/1000/adaspec/admin.sock")
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert str(parse_config("").admin.socket).startswith("/tmp/adaspec-")
+    assert str(parse_config(DEFAULTS_ONLY).admin.socket).startswith("/tmp/adaspec-")
 
 
 def test_explicit_paths_resolve_against_the_config_directory(tmp_path):
@@ -405,7 +406,7 @@ def test_slot_candidate_above_max_steps_names_the_slot():
 
 def test_diff_classifies_live_and_restart_changes():
     base = parse_config("[adaptive]\nema_alpha = 0.2\n")
-    assert diff(base, parse_config("")).empty
+    assert diff(base, parse_config(DEFAULTS_ONLY)).empty
     assert diff(base, base).empty
 
     live = diff(base, parse_config("[adaptive]\nema_alpha = 0.3\n"))
@@ -435,3 +436,59 @@ def test_get_reads_any_key_path():
     assert snapshot.get("adaptive.switch_margin") == 0.1
     with pytest.raises(KeyError):
         snapshot.get("adaptive.steps")
+
+
+# --- hardening: what a running daemon must never accept or echo whole ---------------------------
+
+
+@pytest.mark.parametrize("text", ["", "\n", "  \n\t\n"])
+def test_an_empty_file_is_an_error_not_every_default(tmp_path, text):
+    """An editor that truncates before it writes, or `: > config.toml`, must not reset the
+    daemon to defaults (and point its restart keys at <config dir>/models)."""
+    assert issues_of(tmp_path, text) == {"<file>": "the file is empty"}
+
+
+def test_model_paths_are_checked_where_they_are_read(tmp_path):
+    shipped_models = ROOT / "models"
+    nowhere = f'[engine]\ntarget = "{tmp_path / "nowhere"}"\ndraft = "{shipped_models / "draft"}"\n'
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, nowhere), check_models=True)
+    assert [(i.path, i.message) for i in caught.value.issues] == [
+        ("engine.target", f"{tmp_path / 'nowhere'}: no such directory")
+    ]
+    load_config(write(tmp_path, nowhere))  # not asked to: a config written before its models
+
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text((shipped_models / "target" / "config.json").read_text())
+    text = f'[engine]\ntarget = "{half}"\ndraft = "{shipped_models / "draft"}"\n'
+    with pytest.raises(ConfigError, match="engine.target: .*missing tokenizer.json, model.safetensors or"):
+        load_config(write(tmp_path, text), check_models=True)
+
+    # The target as its own draft shares its tokenizer; the ngram drafter needs no draft at all.
+    same = f'[engine]\ntarget = "{shipped_models / "target"}"\ndraft = "{shipped_models / "target"}"\n'
+    load_config(write(tmp_path, same), check_models=True)
+    lookups = f'[engine]\ntarget = "{shipped_models / "target"}"\ndrafter = "ngram"\ndraft = "{tmp_path}"\n'
+    load_config(write(tmp_path, lookups), check_models=True)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
+    from tests.conftest import save_tiny, tiny_hf_model
+
+    target = save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path / "target")
+    draft = save_tiny(tiny_hf_model("llama", vocab_size=96), tmp_path / "draft")
+    text = f'[engine]\ntarget = "{target}"\ndraft = "{draft}"\n'
+    with pytest.raises(ConfigError, match="engine.draft: .* does not share the target's tokenizer"):
+        load_config(write(tmp_path, text), check_models=True)
+
+
+def test_a_huge_value_is_echoed_by_a_short_prefix_and_its_size(tmp_path):
+    huge = "x" * 10_000_000
+    issues = issues_of(tmp_path, f'[adaptive]\nstrategy = "{huge}"\n[engine]\ndevice = "{huge}"\n')
+    assert set(issues) == {"adaptive.strategy", "engine.device"}
+    for message in issues.values():
+        assert len(message) < 600 and "(10000002 characters)" in message
+    many = "".join(f"k{i} = 1\n" for i in range(5000))
+    issues = issues_of(tmp_path, f"[engine]\n{many}")
+    assert len(issues) == 51 and issues["<file>"] == "4950 more problems not listed"
+    assert len(issues_of(tmp_path, f"[engine]\n{'y' * 100_000} = 1\n")) == 1  # a huge key: one short issue

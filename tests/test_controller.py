@@ -3,13 +3,12 @@ output stays lossless through every switch."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import pytest
 from structlog.testing import capture_logs
 
-from engine.controller import Controller
+from engine.controller import Controller, Force, Pin, SetParams, Unpin
 from engine.core import Engine
 from engine.drafters import DraftModelDrafter
 from engine.generate import generate
@@ -63,18 +62,16 @@ def test_pin_holds_k_while_the_policy_keeps_observing_and_unpin_resumes(pair):
     for p in PROMPTS:
         engine.add_request(Request(tuple(p), SamplingParams(max_tokens=80, ignore_eos=True)))
     controller.step()
-    ack = controller.pin(2)
-    assert not ack.done()  # nothing happens until the next boundary
+    ack = controller.apply(Pin(2))
     result = controller.step()
-    assert ack.result(timeout=0).round == result.round and ack.result().steps == 2
-    assert ack.result().mode == "pinned"
-    batches = controller.policy.batches if hasattr(controller.policy, "batches") else None
+    assert ack.round == result.round and ack.steps == 2 and ack.mode == "pinned"
+    seen = []
+    observe = controller.policy.observe
+    controller.policy.observe = lambda observation: seen.append(observation) or observe(observation)
     for _ in range(8):
         assert controller.step().k == 2
-    assert controller.policy.batches > batches  # still observing
-    unpin = controller.unpin()
-    controller.step()
-    assert unpin.result(timeout=0).mode == "adaptive"
+    assert len(seen) == 8  # still observing
+    assert controller.apply(Unpin()).mode == "adaptive"
 
 
 def test_force_switches_at_the_next_boundary_then_adapts_again(pair):
@@ -82,20 +79,18 @@ def test_force_switches_at_the_next_boundary_then_adapts_again(pair):
     for p in PROMPTS:
         controller.engine.add_request(Request(tuple(p), SamplingParams(max_tokens=80, ignore_eos=True)))
     controller.step()
-    ack = controller.force(5)
+    ack = controller.apply(Force(5))
     result = controller.step()
     assert result.k == 5
-    assert ack.result(timeout=0).mode == "forced" and ack.result().round == result.round
+    assert ack.mode == "forced" and ack.round == result.round
     assert controller.mode_name == "adaptive"
 
 
 def test_pin_to_a_k_without_runtime_state_is_refused_and_nothing_changes(pair):
     controller = make(pair, steps=(1, 3, 7))
     before = controller.steps
-    ack = controller.pin(4)
-    controller.step()
     with pytest.raises(ValueError, match="no runtime state for step count 4"):
-        ack.result(timeout=0)
+        controller.apply(Pin(4))
     assert controller.steps == before and controller.mode_name == "adaptive"
 
 
@@ -103,19 +98,14 @@ def test_new_params_apply_at_a_boundary_and_need_built_states(pair):
     controller = make(pair, steps=(1, 3, 7))
     controller.engine.add_request(Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True)))
     controller.step()
-    missing = controller.set_params(replace(FAST, candidate_steps=(2, 4)))
-    controller.step()
     with pytest.raises(ValueError, match="no runtime state for step count 2"):
-        missing.result(timeout=0)
-    # Build the missing states off the hot path, then the same parameters are accepted.
-    builders = [threading.Thread(target=controller.engine.build_state, args=(k,)) for k in (2, 4)]
-    for b in builders:
-        b.start()
-    for b in builders:
-        b.join()
-    ok = controller.set_params(replace(FAST, candidate_steps=(2, 4)))
+        controller.apply(SetParams(replace(FAST, candidate_steps=(2, 4))))
+    # Build the missing states between rounds, then the same parameters are accepted.
+    for k in (2, 4):
+        controller.engine.build_state(k)
+    ok = controller.apply(SetParams(replace(FAST, candidate_steps=(2, 4))))
     result = controller.step()
-    assert ok.result(timeout=0).steps in (2, 4) and result.k in (2, 4)
+    assert ok.steps in (2, 4) and result.k in (2, 4)
 
 
 def test_static_mode_holds_its_k(pair):
@@ -125,9 +115,7 @@ def test_static_mode_holds_its_k(pair):
     ks = {controller.step().k for _ in range(10)}
     assert ks == {3} and controller.mode_name == "static"
     with pytest.raises(ValueError, match="adaptation is disabled"):
-        ack = controller.force(1)
-        controller.step()
-        ack.result(timeout=0)
+        controller.apply(Force(1))
 
 
 def test_the_policy_sees_each_round_whole_from_drafting_to_emitting(pair):

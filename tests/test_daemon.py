@@ -28,6 +28,7 @@ target = "{target}"
 draft = "{draft}"
 max_batch_size = {max_batch_size}
 max_seq_len = 512
+{engine}
 
 [adaptive]
 strategy = "ema"
@@ -112,14 +113,22 @@ class Daemon:
         raise AssertionError(f"timed out waiting for {what}\n{self.log.read_text()[-3000:]}")
 
 
-def start_daemon(folder: Path, *, max_batch_size: int = 2, server: str = "") -> Daemon:
-    """Start the daemon on the default models; `server`: extra lines for its [server] section."""
+def start_daemon(
+    folder: Path, *, max_batch_size: int = 2, server: str = "", engine: str = "", target: Path = DEFAULT_TARGET
+) -> Daemon:
+    """Start the daemon on the default models (or `target`); `server` and `engine`: extra lines
+    for those sections."""
     run_dir = folder / "run"
     config = folder / "config.toml"
     sock = run_dir / "admin.sock"
     config.write_text(
         CONFIG.format(
-            target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, socket=sock, max_batch_size=max_batch_size, server=server
+            target=target,
+            draft=DEFAULT_DRAFT,
+            socket=sock,
+            max_batch_size=max_batch_size,
+            server=server,
+            engine=engine,
         )
     )
     notify_path = folder / "notify.sock"
@@ -230,8 +239,13 @@ def test_save_by_rename_edit_applies_within_two_seconds(daemon):
         ("ema_alpha = 0.3", "ema_alpha = [0.3", "<toml>: line"),
         ("ema_alpha = 0.3", 'ema_alpha = "fast"', "adaptive.ema_alpha"),
         ("ema_alpha = 0.3", "ema_alpha = 7.5", "adaptive.ema_alpha"),
+        (
+            f'target = "{DEFAULT_TARGET}"',
+            'target = "/nonexistent/target"',
+            "engine.target: /nonexistent/target: no such",
+        ),
     ],
-    ids=["syntax", "type", "range"],
+    ids=["syntax", "type", "range", "model path"],
 )
 def test_bad_edits_are_rejected_and_the_old_config_stays(daemon, old, bad, message):
     before = daemon.status()
@@ -245,6 +259,30 @@ def test_bad_edits_are_rejected_and_the_old_config_stays(daemon, old, bad, messa
     assert daemon.events("reload rejected")
     rewrite(daemon.config, bad, old)
     daemon.wait_for(lambda: daemon.status()["last_reload"]["ok"], 3.0, "the fixed file")
+
+
+def test_an_emptied_file_is_rejected_and_the_old_config_stays(daemon):
+    before = daemon.status()
+    text = daemon.config.read_text()
+    rewrite(daemon.config, text, "")
+    status = daemon.wait_for(lambda: (s := daemon.status())["last_reload"]["ok"] is False and s, 3.0, "the rejection")
+    assert status["last_reload"]["errors"] == ["<file>: the file is empty"]
+    assert status["generation"] == before["generation"] and status["restart_required"] == []
+    rewrite(daemon.config, "", text)
+    daemon.wait_for(lambda: daemon.status()["last_reload"]["ok"], 3.0, "the restored file")
+
+
+def test_start_up_logs_every_phase_with_its_duration_and_no_warning(daemon):
+    phases = daemon.events("startup phase")
+    names = [event["phase"] for event in phases]
+    assert names[0] == f"load target {DEFAULT_TARGET}" and names[1] == f"load draft {DEFAULT_DRAFT}"
+    built = [name for name in names if "runtime state" in name]
+    assert [name.rsplit("k=", 1)[1] for name in built] == ["1", "3", "7"]  # one phase each, in order
+    assert all(event["seconds"] >= 0 for event in phases) and daemon.events("started")
+    extended = [m for m in daemon.notifications() if "EXTEND_TIMEOUT_USEC=" in m]
+    assert len(extended) >= len(phases)  # systemd was told to wait, phase by phase
+    text = daemon.log.read_text()
+    assert "Warning" not in text and not [e for e in daemon.events() if e.get("level") == "warning"], text[:3000]
 
 
 def test_sighup_reloads(daemon):
@@ -287,6 +325,14 @@ def test_check_config_lists_every_error(tmp_path):
         cwd=ROOT,
     )
     assert good.returncode == 0, good.stderr
+    # Models not in place yet: an error, unless the check is skipped on purpose.
+    elsewhere = tmp_path / "elsewhere.toml"
+    elsewhere.write_text((ROOT / "config.toml").read_text())
+    check = [sys.executable, "-m", "daemon.cli", "--check-config", str(elsewhere)]
+    missing = subprocess.run(check, capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 1 and "engine.target: " in missing.stderr and "no such directory" in missing.stderr
+    skipped = subprocess.run([*check, "--no-check-models"], capture_output=True, text=True, cwd=ROOT)
+    assert skipped.returncode == 0, skipped.stderr
 
 
 def test_sigterm_drains_and_exits_zero():

@@ -9,7 +9,9 @@ still be running a moment later ask for `ignore_eos` (a vLLM-style extension) an
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -308,3 +310,92 @@ def test_sigterm_refuses_new_requests_and_lets_in_flight_ones_finish(small):
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
     assert small.process.wait(30) == 0
+
+
+KEY = "sk-adaspec-test-0123"
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[Daemon]:
+    """The API behind a key read from a file, /metrics too."""
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    (folder / "api_key").write_text(KEY + "\n")
+    d = start_daemon(folder, server=f'api_key_file = "{folder / "api_key"}"\nmetrics_need_key = true')
+    yield d
+    stop_daemon(d)
+
+
+def test_an_api_key_guards_every_v1_route_and_the_right_one_serves(keyed, target):
+    url = keyed.url
+    right = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    text, _, _ = reference(target, target.tokenizer.encode(PROMPT).ids, MAX_TOKENS)
+    completion = right.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert completion.choices[0].text == text
+    assert [m.id for m in right.models.list()] == [MODEL]
+    for key in ("sk-wrong", KEY + "x", KEY[:-1]):
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as caught:
+            wrong.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            wrong.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    for method, path in [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", f"/v1/models/{MODEL}"),
+        ("GET", "/v1/no-such-route"),
+    ]:
+        response = httpx.request(method, url + path, json={"prompt": PROMPT, "max_tokens": 2})
+        message = assert_openai_error(response, 401, "invalid_api_key")
+        assert "no API key" in message and response.headers["WWW-Authenticate"] == "Bearer"
+    assert httpx.get(f"{url}/health").status_code == 200  # open: for load balancers and systemd
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    code, config = keyed.ctl("config")
+    assert KEY not in json.dumps(config)  # the file's path is shown, never the key
+
+
+def test_curl_with_and_without_the_key(keyed):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on this machine")
+    models = f"{keyed.url}/v1/models"
+    status = ["-s", "-o", "/dev/null", "-w", "%{http_code}"]
+    with_key = subprocess.run([curl, *status, "-H", f"Authorization: Bearer {KEY}", models], capture_output=True)
+    without = subprocess.run([curl, *status, models], capture_output=True)
+    assert (with_key.stdout, without.stdout) == (b"200", b"401")
+
+
+def test_serving_your_own_checkpoint_as_the_readme_says(tmp_path):
+    """A checkpoint saved by transformers (a tiny random Llama, given the default tokenizer) with
+    the n-gram drafter: the README's "Serving your own model", followed to a completion."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    transformers.set_seed(0)
+    own = tmp_path / "my-llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(own)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_TARGET / name, own / name)
+    daemon = start_daemon(
+        Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")), target=own, engine='drafter = "ngram"'
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        completion = client.completions.create(model="my-llama", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+        mine = load_checkpoint(own)
+        assert completion.choices[0].text == reference(mine, mine.tokenizer.encode(PROMPT).ids, MAX_TOKENS)[0]
+    finally:
+        stop_daemon(daemon)

@@ -4,7 +4,6 @@ sampled output follows the target's distribution, and rolled-back caches are cle
 from __future__ import annotations
 
 import random
-import threading
 import warnings
 from collections import Counter
 
@@ -224,7 +223,7 @@ def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pai
     assert_follows_marginals(outputs, requests, marginals)
 
 
-def test_state_for_a_new_k_is_built_off_the_hot_path_and_selected_at_a_boundary(pair):
+def test_state_for_a_new_k_is_built_between_rounds_and_selected_at_a_boundary(pair):
     target, draft = pair
     engine = Engine(target, DraftModelDrafter(draft, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [1, 3])
     assert sorted(engine.states) == [1, 3]
@@ -235,9 +234,7 @@ def test_state_for_a_new_k_is_built_off_the_hot_path_and_selected_at_a_boundary(
     request = Request(tuple(PROMPTS[0]), params)
     engine.add_request(request)
     engine.step()
-    builder = threading.Thread(target=engine.build_state, args=(4,))
-    builder.start()
-    builder.join()
+    engine.build_state(4)
     assert engine.select(4).k == 4
     out = engine.step()
     assert out.k == 4 and out.outputs[0].drafts_proposed == 4
