@@ -159,7 +159,7 @@ def client(address: tuple[str, int], all_cases: list[Case], until: float, timeou
             connection.close()
         if response.status == 503 and response.getheader("Retry-After"):
             tally.note(backpressure=1)
-            time.sleep(0.05 * rng.random())
+            time.sleep(float(response.getheader("Retry-After")) * rng.uniform(0.5, 1.0))  # as a polite client does
             continue
         if response.status != 200:
             tally.fail(str(response.status), payload.decode(errors="replace"))
