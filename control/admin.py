@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import grp
 import json
+import math
 import os
 import socket
 import stat
@@ -235,10 +236,17 @@ def _reject_constant(name: str) -> float:
     raise _NonFinite(name)
 
 
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise _NonFinite(f"{clip(text, 20)} (beyond a float's range)")
+    return number
+
+
 def _decode_request(line: bytes) -> dict[str, Any]:
     try:
         # Python reads NaN and Infinity, which JSON has not: a reply echoing one would not parse.
-        request = json.loads(line, parse_constant=_reject_constant)
+        request = json.loads(line, parse_constant=_reject_constant, parse_float=_finite)
     except _NonFinite as exc:
         raise AdminError("bad_request", f"{exc} is not a JSON number: only finite numbers are accepted") from None
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError

@@ -160,6 +160,7 @@ async def test_requests_on_one_connection_are_answered_in_order(sock_path: Path)
         (b'{"id": 10, "cmd": "echo", "args": [1]}\n', "bad_request", 10),
         (b'{"id": NaN, "cmd": "help"}\n', "bad_request", None),  # Python reads NaN; JSON has none
         (b'{"id": 11, "cmd": "echo", "args": {"x": -Infinity}}\n', "bad_request", None),
+        (b'{"id": 12, "cmd": "echo", "args": {"x": 1e999}}\n', "bad_request", None),  # overflows to inf
     ],
 )
 async def test_bad_requests_get_error_replies(sock_path: Path, line: bytes, code: str, reply_id: Any) -> None:
