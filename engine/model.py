@@ -419,7 +419,8 @@ class Transformer(DerivedCopy, nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self.build_rope()
+        if self.embed_tokens.weight.device.type != "meta":  # built once the weights are in place
+            self.build_rope()
         # The compiled CPU forward (engine/native.py), for inference after loading; see `use_native`.
         self.native: NativeForward | None = None
 
