@@ -1,6 +1,6 @@
 """How much could any step policy gain on a workload, at batch 1?
 
-    python -m bench.headroom --workload bench/workloads/transition.jsonl [--max-steps 12] [--passes 20]
+    python -m bench.headroom --workload bench/workloads/transition.jsonl [--max-k 12] [--passes 20]
 
 Each request is decoded by the target alone (its seed, or its line number when it has none); the
 draft then reads the same text, and each position gets the chance that a draft there is kept:
@@ -68,18 +68,16 @@ def keep_chances(target: Checkpoint, draft: Transformer, items: Seq[WorkItem]) -
     return chances
 
 
-def round_seconds(
-    target: Checkpoint, draft: Checkpoint, item: WorkItem, max_steps: int, tokens: int = 96
-) -> list[float]:
-    """Seconds of a round with k drafts at batch 1, k = 0..max_steps: the median round of a
+def round_seconds(target: Checkpoint, draft: Checkpoint, item: WorkItem, max_k: int, tokens: int = 96) -> list[float]:
+    """Seconds of a round with k drafts at batch 1, k = 0..max_k: the median round of a
     request decoded with the engine (after one to warm its shapes), since single rounds are noisy."""
     prompt = tuple(target.tokenizer.encode(item.prompt).ids)
     params = replace(item.params, max_tokens=tokens, ignore_eos=True, seed=0)
     max_seq_len = len(prompt) + tokens + 1
     seconds = []
-    for k in range(max_steps + 1):
+    for k in range(max_k + 1):
         drafter = DraftModelDrafter(draft, 1, max_seq_len, quantize=True)
-        engine = Engine(target, drafter, 1, max_seq_len, [k], max_steps=max_steps)
+        engine = Engine(target, drafter, 1, max_seq_len, [k], max_k=max_k)
         engine.run_until_done([Request(prompt, params)])
         engine.add_request(Request(prompt, params))
         rounds = []
@@ -109,10 +107,10 @@ def static(k: int) -> Chooser:
     return lambda chances, kept, at: k
 
 
-def knows_the_odds(threshold: float, max_steps: int) -> Chooser:
+def knows_the_odds(threshold: float, max_k: int) -> Chooser:
     def choose(chances: Seq[float], kept: Seq[bool], at: int) -> int:
         survive, k = 1.0, 0
-        for chance in chances[at : at + max_steps]:
+        for chance in chances[at : at + max_k]:
             survive *= chance
             if survive < threshold:
                 break
@@ -122,13 +120,13 @@ def knows_the_odds(threshold: float, max_steps: int) -> Chooser:
     return choose
 
 
-def clairvoyant(max_steps: int) -> Chooser:
+def clairvoyant(max_k: int) -> Chooser:
     """Drafts exactly the drafts that will be kept: none is wasted, and the round ends on the
     target's own token."""
 
     def choose(chances: Seq[float], kept: Seq[bool], at: int) -> int:
         k = 0
-        while k < max_steps and at + k < len(kept) and kept[at + k]:
+        while k < max_k and at + k < len(kept) and kept[at + k]:
             k += 1
         return k
 
@@ -140,7 +138,7 @@ def main(argv: Seq[str] | None = None) -> None:
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--target", default="models/target")
     parser.add_argument("--draft", default="models/draft")
-    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--max-k", type=int, default=12)
     parser.add_argument("--passes", type=int, default=20, help="draws of the kept drafts per request")
     args = parser.parse_args(argv)
 
@@ -149,8 +147,7 @@ def main(argv: Seq[str] | None = None) -> None:
     chances = keep_chances(target, int8_linears(draft.model), items)  # as the engine drafts on CPU
     phases = sorted({item.phase for item in items})
     costs = {
-        phase: round_seconds(target, draft, next(i for i in items if i.phase == phase), args.max_steps)
-        for phase in phases
+        phase: round_seconds(target, draft, next(i for i in items if i.phase == phase), args.max_k) for phase in phases
     }
     for phase in phases:
         shown = ", ".join(f"k={k} {1e3 * s:.2f}" for k, s in enumerate(costs[phase]))
@@ -158,10 +155,10 @@ def main(argv: Seq[str] | None = None) -> None:
 
     rng = random.Random(0)
     draws = [[[rng.random() < c for c in request] for _ in range(args.passes)] for request in chances]
-    choosers: dict[str, Chooser] = {f"static:{k}": static(k) for k in range(args.max_steps + 1)}
+    choosers: dict[str, Chooser] = {f"static:{k}": static(k) for k in range(args.max_k + 1)}
     for threshold in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
-        choosers[f"knows the odds >= {threshold}"] = knows_the_odds(threshold, args.max_steps)
-    choosers["clairvoyant"] = clairvoyant(args.max_steps)
+        choosers[f"knows the odds >= {threshold}"] = knows_the_odds(threshold, args.max_k)
+    choosers["clairvoyant"] = clairvoyant(args.max_k)
     reports = {name: ModeReport() for name in choosers}
     for item, request, request_draws in zip(items, chances, draws):
         for kept in request_draws:

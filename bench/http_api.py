@@ -5,7 +5,7 @@
 
 One daemon per configuration, started on a free port and stopped after its runs: first the
 shipped config.toml's [adaptive] section, then [adaptive] enabled = false with
-static_steps = K for each K. Each serves the same workload at every concurrency through
+static_k = K for each K. Each serves the same workload at every concurrency through
 `bench.spec.run_url` (closed loop: N clients, the next request sent as one finishes).
 engine.max_batch_size is 16 by default so that 16 clients decode together.
 """
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     items = read_workload(args.workload)[: args.requests]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes = {"adaptive": shipped_adaptive()}
-    modes |= {f"static:{k}": f"enabled = false\nstatic_steps = {k}" for k in args.steps.split(",")}
+    modes |= {f"static:{k}": f"enabled = false\nstatic_k = {k}" for k in args.steps.split(",")}
     print(f"workload {args.workload}: {len(items)} requests, concurrency {concurrencies}", file=sys.stderr)
     results: dict[str, list[ModeReport]] = {}
     for mode, adaptive in modes.items():

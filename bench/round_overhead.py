@@ -63,7 +63,7 @@ def main() -> None:
     for batch in (1, 8):
         for k, temperature in ((0, 0.0), (3, 0.0), (3, 1.0)):
             drafter = DraftModelDrafter(draft, batch, 2048) if k else None
-            engine = Engine(target, drafter, batch, 2048, [k], max_steps=max(k, 1), initial_steps=k)
+            engine = Engine(target, drafter, batch, 2048, [k], max_k=max(k, 1), initial_k=k)
             models = [target.model] + ([drafter.model] if drafter is not None else [])
             params = SamplingParams(max_tokens=args.tokens, temperature=temperature, seed=1)
             for prompt in prompts:

@@ -146,13 +146,13 @@ def mode_snapshot(snapshot: ConfigSnapshot, mode: str) -> ConfigSnapshot:
         engine = replace(engine, drafter="none")
     elif base.startswith("static:") and base[7:].isdigit() and not settings:
         k = int(base[7:])
-        static = replace(params, candidate_steps=(k,), slots=())
-        adaptive = replace(adaptive, enabled=False, static_steps=k, initial_steps=k, policy=static)
+        static = replace(params, candidate_k=(k,), slots=())
+        adaptive = replace(adaptive, enabled=False, static_k=k, initial_k=k, policy=static)
     elif base.startswith("adaptive:") and base[9:] in DEFAULT_CANDIDATES:
         strategy = base[9:]
-        if params.candidate_steps == DEFAULT_CANDIDATES[params.strategy]:
+        if params.candidate_k == DEFAULT_CANDIDATES[params.strategy]:
             # The config left the candidates to its strategy: another strategy runs its own.
-            settings.setdefault("candidate_steps", DEFAULT_CANDIDATES[strategy])
+            settings.setdefault("candidate_k", DEFAULT_CANDIDATES[strategy])
         try:
             policy = replace(params, strategy=strategy, **settings)
         except ValueError as err:
@@ -178,7 +178,7 @@ ENGINE_OVERRIDES = ("verification", "drafter")
 def parse_override(text: str) -> tuple[str, object]:
     """`name=value` of a policy parameter, as in adaptive:measured+exploration=0.01, or of the
     engine's `verification` or `drafter` (any mode: static:3+verification=token); a list of step
-    counts is written with slashes: candidate_steps=0/3/7."""
+    counts is written with slashes: candidate_k=0/3/7."""
     name, _, value = text.partition("=")
     if name == "verification" and value in CHAIN_RULES:
         return name, value
@@ -189,11 +189,11 @@ def parse_override(text: str) -> tuple[str, object]:
             f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
             f"verification={'|'.join(CHAIN_RULES)} or drafter={'|'.join(DRAFTERS)}"
         )
-    if name == "candidate_steps":
+    if name == "candidate_k":
         try:
             return name, tuple(int(k) for k in value.split("/"))
         except ValueError:
-            raise SystemExit(f"{text!r}: expected step counts separated by '/'") from None
+            raise SystemExit(f"{text!r}: expected draft lengths separated by '/'") from None
     lowered = value.lower()
     if lowered in ("true", "false"):
         return name, lowered == "true"
@@ -439,7 +439,7 @@ def plot(reports: dict[str, ModeReport], out: Path, window: float) -> None:
                 start += 1
             rates.append(acc / window if t >= window else acc / max(t, 1e-9))
         ax_rate.plot(times, rates, label=mode, linewidth=1)
-    ax_k.set_ylabel("step count k")
+    ax_k.set_ylabel("draft length k")
     ax_rate.set_ylabel(f"tokens/s ({window:.0f} s window)")
     ax_rate.set_xlabel("seconds")
     ax_k.legend(fontsize="small", ncol=3)
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     models = load_models(snapshot)
     print(
         f"workload {args.workload} ({len(items)} requests), concurrency {args.concurrency}, "
-        f"drafter {snapshot.engine.drafter}, candidates {list(snapshot.adaptive.policy.candidate_steps)}",
+        f"drafter {snapshot.engine.drafter}, candidates {list(snapshot.adaptive.policy.candidate_k)}",
         file=sys.stderr,
     )
     warm_up(snapshot, models, items, args.concurrency, args.max_seq_len)

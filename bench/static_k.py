@@ -1,4 +1,4 @@
-"""Static step counts against no speculation, for each drafter, at batch 1 and 4.
+"""Static draft lengths against no speculation, for each drafter, at batch 1 and 4.
 
     python -m bench.static_k [--prompts 8] [--max-tokens 128]
 

@@ -38,7 +38,7 @@ def run_generate(checkpoint, prompts: list[list[int]], tokens: int) -> int:
 
 
 def run_engine(checkpoint, prompts: list[list[int]], tokens: int) -> int:
-    engine = Engine(checkpoint, None, len(prompts), max(map(len, prompts)) + tokens, [0], max_steps=0)
+    engine = Engine(checkpoint, None, len(prompts), max(map(len, prompts)) + tokens, [0], max_k=0)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     outputs = engine.run_until_done(Request(tuple(p), params) for p in prompts)
     return sum(len(o) for o in outputs.values())

@@ -33,7 +33,7 @@ else:  # pragma: no cover
 
 @dataclass(frozen=True)
 class ConfigIssue:
-    path: str  # "adaptive.candidate_steps", "adaptive.slots[1].min_batch_size", "<file>", "<toml>"
+    path: str  # "adaptive.candidate_k", "adaptive.slots[1].min_batch_size", "<file>", "<toml>"
     message: str
 
     def __post_init__(self) -> None:
@@ -77,14 +77,14 @@ class EngineSettings:
     dtype: str
     max_batch_size: int
     max_seq_len: int
-    max_steps: int
+    max_k: int
 
 
 @dataclass(frozen=True)
 class AdaptiveSettings:
     enabled: bool
-    static_steps: int
-    initial_steps: int | None
+    static_k: int
+    initial_k: int | None
     policy: PolicyParams
 
 
@@ -129,7 +129,7 @@ class ShutdownSettings:
 
 @dataclass(frozen=True)
 class Key:
-    """One configuration key. `kind` is bool, int, float, str, path, steps, mode or slots."""
+    """One configuration key. `kind` is bool, int, float, str, path, ks, mode or slots."""
 
     kind: str
     default: Any  # a value, or a function of the explicit values {path: value} computed at load time
@@ -141,7 +141,7 @@ class Key:
     retired: Mapping[str, str] = field(default_factory=dict)  # choices no longer offered -> what instead
     pattern: str | None = None  # a str value must fully match this regex ...
     pattern_doc: str = ""  # ... described like this in errors
-    bounded_by_max_steps: bool = False  # holds step counts k, each of which needs a runtime state
+    bounded_by_max_k: bool = False  # holds draft lengths k, each of which needs a runtime state
     secret: bool = False  # shown as "<hidden>" wherever the effective config is shown
 
 
@@ -184,8 +184,8 @@ _DEVICE = r"cpu|(cuda|npu)(:\d+)?"
 # Kept compact by hand, so that the schema reads as a table.
 SLOT_KEYS: Mapping[str, Key] = {
     "min_batch_size": Key("int", None, "the slot applies while the batch holds at least this many sequences", lo=1),
-    "candidate_steps": Key("steps", None, "step counts k the policy chooses from in this slot", lo=0,
-                           bounded_by_max_steps=True),
+    "candidate_k": Key("ks", None, "draft lengths k the policy chooses from in this slot", lo=0,
+                           bounded_by_max_k=True),
 }
 
 SCHEMA: Mapping[str, Section] = {
@@ -209,18 +209,18 @@ SCHEMA: Mapping[str, Section] = {
                      choices=("auto", "float32", "bfloat16", "float16")),
         "max_batch_size": Key("int", 8, "most sequences decoded together", lo=1, hi=256),
         "max_seq_len": Key("int", 2048, "longest sequence (prompt + output) in tokens", lo=16, hi=32768),
-        "max_steps": Key("int", 32, "largest step count k any runtime state may have", lo=1, hi=64),
+        "max_k": Key("int", 32, "largest draft length k any runtime state may have", lo=1, hi=64),
     }),
-    "adaptive": Section(AdaptiveSettings, live=True, doc="the step-count policy", keys={
-        "enabled": Key("bool", True, "adapt k to the acceptance rate; false = always static_steps"),
-        "static_steps": Key("int", 3, "k used when enabled = false", lo=0, bounded_by_max_steps=True),
+    "adaptive": Section(AdaptiveSettings, live=True, doc="the draft-length policy", keys={
+        "enabled": Key("bool", True, "adapt k to the acceptance rate; false = always static_k"),
+        "static_k": Key("int", 3, "k used when enabled = false", lo=0, bounded_by_max_k=True),
         "strategy": Key("str", "measured", "policy: measured (climbs to the k measured fastest) or ema"
                         " (SGLang ladder)", choices=("measured", "ema"),
                         retired={"goodput": "'measured' replaced it"}),
-        "candidate_steps": Key("steps", _default_candidates, "step counts k the policy chooses from", lo=0,
-                               bounded_by_max_steps=True),
-        "initial_steps": Key("int", None, "k to start with; default: by strategy", lo=0,
-                             bounded_by_max_steps=True),
+        "candidate_k": Key("ks", _default_candidates, "draft lengths k the policy chooses from", lo=0,
+                               bounded_by_max_k=True),
+        "initial_k": Key("int", None, "k to start with; default: by strategy", lo=0,
+                             bounded_by_max_k=True),
         "ema_alpha": Key("float", 0.2, "weight of the newest round in the ema strategy's acceptance EMA",
                          lo=0, lo_open=True, hi=1),
         "warmup_batches": Key("int", 10, "rounds observed before the first decision", lo=0),
@@ -294,6 +294,7 @@ class ConfigSnapshot:
     sha256: str  # of the raw file bytes
     path: Path | None
     sources: Mapping[str, str] = field(repr=False, compare=False)  # key path -> "default" | "file"
+    warnings: tuple[str, ...] = field(default=(), compare=False)  # old key names it used, and others
 
     def get(self, path: str) -> Any:
         """The value of a key path, such as "adaptive.ema_alpha"."""
@@ -329,7 +330,7 @@ _NO_OVERRIDES: Mapping[str, object] = MappingProxyType({})
 
 def effective(snapshot: ConfigSnapshot, overrides: Mapping[str, object] = _NO_OVERRIDES) -> dict[str, dict]:
     """Every key's value and where it came from; `overrides` (admin pins) win and may name keys
-    outside the file's schema, such as "adaptive.steps". Values are JSON-ready."""
+    outside the file's schema, such as "adaptive.pinned_k". Values are JSON-ready."""
     out = {path: {"value": _shown(path, snapshot.get(path)), "source": snapshot.sources[path]} for path in key_paths()}
     for path, value in overrides.items():
         out[path] = {"value": _plain(value), "source": "admin"}
@@ -344,7 +345,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, BatchSlot):
-        return {"min_batch_size": value.min_batch_size, "candidate_steps": list(value.candidate_steps)}
+        return {"min_batch_size": value.min_batch_size, "candidate_k": list(value.candidate_k)}
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     return value
@@ -375,6 +376,7 @@ def parse_config(
         # An editor that truncates before it writes, or `: > config.toml`: never "all defaults".
         raise ConfigError([ConfigIssue("<file>", "the file is empty")])
     issues: list[ConfigIssue] = []
+    warnings = _rename_old_keys(document, issues)
     explicit, invalid = _check_document(document, issues)
     values, sources = _fill_defaults(explicit, invalid, base=path.parent if path else Path.cwd())
     _check_across(values, sources, explicit, issues)
@@ -390,6 +392,7 @@ def parse_config(
         sha256=hashlib.sha256(raw).hexdigest(),
         path=path,
         sources=MappingProxyType(sources),
+        warnings=tuple(warnings),
     )
 
 
@@ -421,6 +424,39 @@ def _read_toml(text: str | bytes) -> dict[str, Any]:
 
 class _Invalid(Exception):
     """A value that does not fit its key; the message completes "<path>: "."""
+
+
+# Keys renamed so that "step" never means k (k is the draft length; a round is one engine
+# iteration; a draft step is one draft forward): the old names still load, with a warning.
+RENAMED = {
+    "engine": {"max_steps": "max_k"},
+    "adaptive": {"candidate_steps": "candidate_k", "static_steps": "static_k", "initial_steps": "initial_k"},
+    "adaptive.slots": {"candidate_steps": "candidate_k"},
+}
+
+
+def _rename_old_keys(document: dict[str, Any], issues: list[ConfigIssue]) -> list[str]:
+    """Give old key names their new ones, in place; a warning for each (an error where a table
+    has both)."""
+    warnings: list[str] = []
+    tables: list[tuple[str, Any]] = [(section, document.get(section)) for section in ("engine", "adaptive")]
+    adaptive = document.get("adaptive")
+    if isinstance(adaptive, dict) and isinstance(adaptive.get("slots"), list):
+        tables += [(f"adaptive.slots[{i}]", slot) for i, slot in enumerate(adaptive["slots"])]
+    for where, table in tables:
+        if not isinstance(table, dict):
+            continue
+        renamed = RENAMED["adaptive.slots" if where.startswith("adaptive.slots") else where]
+        for old, new in renamed.items():
+            if old not in table:
+                continue
+            value = table.pop(old)
+            if new in table:
+                issues.append(ConfigIssue(f"{where}.{old}", f"is the old name of {new}, which is set too: keep one"))
+                continue
+            table[new] = value
+            warnings.append(f"{where}.{old} is deprecated: it is now called {new}")
+    return warnings
 
 
 def _check_document(document: Mapping[str, Any], issues: list[ConfigIssue]) -> tuple[dict[str, Any], set[str]]:
@@ -457,7 +493,7 @@ def _check_table(
         key = keys[name]
         if key.kind == "slots":
             slots, parts = _check_slots(value, path, issues)
-            checked.update(parts)  # valid entries of invalid slots are still judged against max_steps
+            checked.update(parts)  # valid entries of invalid slots are still judged against max_k
             if slots is None:
                 invalid.add(path)
             else:
@@ -525,7 +561,7 @@ def _check_slots(
         elif size is not None:
             seen[size] = i
         if ok:
-            slots.append(BatchSlot(size, checked[f"{prefix}.candidate_steps"]))
+            slots.append(BatchSlot(size, checked[f"{prefix}.candidate_k"]))
     return (tuple(slots) if ok else None), parts
 
 
@@ -564,7 +600,7 @@ def _to_mode(value: Any) -> str:
     return _to_str(value)
 
 
-def _to_steps(value: Any) -> tuple[int, ...]:
+def _to_ks(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise _Invalid(f"must be an array of integers, got {_describe(value)}")
     if not value:
@@ -585,7 +621,7 @@ _CONVERT: Mapping[str, Callable[[Any], Any]] = {
     "str": _to_str,
     "path": _to_str,  # resolved against the config directory once the base is known
     "mode": _to_mode,
-    "steps": _to_steps,
+    "ks": _to_ks,
 }
 
 
@@ -660,18 +696,18 @@ def _check_across(
     low, high = values.get("engine.ngram_min"), values.get("engine.ngram_max")
     if low is not None and high is not None and low > high:
         issues.append(ConfigIssue("engine.ngram_min", f"must be <= engine.ngram_max ({high}), got {low}"))
-    max_steps = values.get("engine.max_steps")
-    if max_steps is None:
+    max_k = values.get("engine.max_k")
+    if max_k is None:
         return
     checks = [(path, value, sources[path]) for path, value in values.items()]
     checks += [(path, value, "file") for path, value in explicit.items() if path not in sources]  # slots' keys
     for path, value, source in checks:
-        if not _key(path).bounded_by_max_steps or value is None:
+        if not _key(path).bounded_by_max_k or value is None:
             continue
-        above = [k for k in (value if isinstance(value, tuple) else (value,)) if k > max_steps]
+        above = [k for k in (value if isinstance(value, tuple) else (value,)) if k > max_k]
         if above:
             hint = " (the default; set it explicitly)" if source == "default" else ""
-            issues.append(ConfigIssue(path, f"{', '.join(map(str, above))} above engine.max_steps = {max_steps}{hint}"))
+            issues.append(ConfigIssue(path, f"{', '.join(map(str, above))} above engine.max_k = {max_k}{hint}"))
 
 
 def _build_section(section: str, values: Mapping[str, Any]) -> Any:
@@ -687,7 +723,7 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
 
 def _key(path: str) -> Key:
     section, name = path.split(".", 1)
-    if "[" in name:  # a slot's key, such as adaptive.slots[1].candidate_steps
+    if "[" in name:  # a slot's key, such as adaptive.slots[1].candidate_k
         return SLOT_KEYS[name.rsplit(".", 1)[1]]
     return SCHEMA[section].keys[name]
 

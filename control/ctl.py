@@ -30,7 +30,7 @@ EXIT_UNREACHABLE = 3
 DEFAULT_TIMEOUT_S = 30.0
 _MAX_REPLY_BYTES = 64 * 1024 * 1024
 
-# command -> (help, whether it takes a step count K)
+# command -> (help, whether it takes a draft length K)
 COMMANDS: dict[str, tuple[str, bool]] = {
     "status": ("show the daemon's state, acceptance rates and current draft length", False),
     "config": ("show the effective configuration and where each value came from", False),
@@ -172,14 +172,14 @@ def _scalar(value: Any) -> str:
     return json.dumps(value)  # null, true/false, numbers, {} and []
 
 
-def _steps(text: str) -> int:
+def _k(text: str) -> int:
     try:
-        steps = int(text)
+        k = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"K must be a non-negative integer, not {text!r}") from None
-    if steps < 0:
+    if k < 0:
         raise argparse.ArgumentTypeError(f"K must be a non-negative integer, not {text!r}")
-    return steps
+    return k
 
 
 def _timeout(text: str) -> float:
@@ -213,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (text, takes_steps) in COMMANDS.items():
+    for name, (text, takes_k) in COMMANDS.items():
         sub = commands.add_parser(name, help=text, description=text)
-        if takes_steps:
-            sub.add_argument("steps", type=_steps, metavar="K", help="draft length (non-negative integer)")
+        if takes_k:
+            sub.add_argument("k", type=_k, metavar="K", help="draft length (non-negative integer)")
         _add_common_options(sub, defaults=False)
     return parser
 
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 
     path = options.socket or default_socket_path()
-    args = {"steps": options.steps} if COMMANDS[options.command][1] else {}
+    args = {"k": options.k} if COMMANDS[options.command][1] else {}
     try:
         reply = request(path, options.command, args, timeout=options.timeout)
     except Unreachable as exc:

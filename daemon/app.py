@@ -60,7 +60,7 @@ class Daemon:
         except (OSError, ValueError) as err:  # the key file went away since the config was read
             log.error("cannot read the API key", error=str(err))
             return 1
-        metrics = Metrics(self.snapshot.engine.max_steps)
+        metrics = Metrics(self.snapshot.engine.max_k)
         startup = Startup(self.notifier)
         commands = AdminCommands(startup, self.started)
         admin = self.snapshot.admin
@@ -102,7 +102,7 @@ class Daemon:
             tg.start_soon(self._report, reloader)
             self.notifier.ready()
             api.ready = True
-            log.info("ready", admin_socket=str(admin.socket), http=commands.http, steps=loop.status.k)
+            log.info("ready", admin_socket=str(admin.socket), http=commands.http, k=loop.status.k)
             await self.stopping.wait()
             await self._drain()
             await http.close()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
+import structlog
 
 from control.config import ConfigError, load_config
 from daemon.logs import configure_logging
@@ -35,10 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {issue}", file=sys.stderr)
         return 1
     if args.check_config:
+        for warning in snapshot.warnings:
+            print(f"adaspecd: {path}: warning: {warning}", file=sys.stderr)
         print(f"adaspecd: {path}: configuration is valid (sha256 {snapshot.sha256[:12]})")
         return 0
 
     configure_logging(snapshot.logging.level, snapshot.logging.format)
+    for warning in snapshot.warnings:
+        structlog.get_logger("adaspec.config").warning("config warning", warning=warning, config=str(path))
     from daemon.app import Daemon  # imports torch: keep --check-config fast
 
     return anyio.run(Daemon(path, snapshot).run)

@@ -21,9 +21,9 @@ APPLY_TIMEOUT_S = 30.0
 
 HELP = {
     "status": "current k, mode, strategy, EMA, round, config generation, last reload, runtime states, throughput",
-    "pin": 'hold the step count: {"steps": K}; the policy keeps observing',
+    "pin": 'hold the draft length: {"k": K}; the policy keeps observing',
     "unpin": "let the policy choose again, starting from the pinned k",
-    "force": 'switch to {"steps": K} at the next boundary, then adapt from there',
+    "force": 'switch to {"k": K} at the next boundary, then adapt from there',
     "reload": "re-read the config file; replies with the new generation or every error",
     "config": "the effective configuration, each value marked default, file or admin",
     "help": "this list",
@@ -73,10 +73,10 @@ class AdminCommands:
         last = self.reloader.last
         return {
             "state": "serving",
-            "steps": engine.k,
+            "k": engine.k,
             "mode": engine.mode,
             "strategy": engine.params.strategy,
-            "candidate_steps": list(engine.params.candidate_steps),
+            "candidate_k": list(engine.params.candidate_k),
             "ema": round(engine.ema, 4),
             "round": engine.round,
             "switches": engine.switches,
@@ -90,6 +90,7 @@ class AdminCommands:
                 "errors": list(last.errors),
             },
             "reload_failures": self.reloader.failures,
+            "config_warnings": list(snapshot.warnings),
             "restart_required": list(last.restart_required),
             "runtime_states": [
                 {"k": s.k, "build_seconds": round(s.build_seconds, 4), "memory_bytes": s.memory_bytes}
@@ -108,7 +109,7 @@ class AdminCommands:
         overrides: dict[str, object] = {}
         pinned = self.loop.status.pinned
         if pinned is not None:
-            overrides["adaptive.steps"] = pinned
+            overrides["adaptive.pinned_k"] = pinned
         return {"generation": self.reloader.snapshot.generation, "values": effective(self.reloader.snapshot, overrides)}
 
     async def help(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -117,13 +118,13 @@ class AdminCommands:
     # ---- changing ------------------------------------------------------------------------
 
     async def pin(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._applied(self.loop.pin(_steps(args)))
+        return await self._applied(self.loop.pin(_k_of(args)))
 
     async def unpin(self, args: dict[str, Any]) -> dict[str, Any]:
         return await self._applied(self.loop.unpin())
 
     async def force(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._applied(self.loop.force(_steps(args)))
+        return await self._applied(self.loop.force(_k_of(args)))
 
     async def _applied(self, done: Future[Ack]) -> dict[str, Any]:
         """Wait until the engine has applied the message at a boundary."""
@@ -133,7 +134,7 @@ class AdminCommands:
             raise AdminError("timeout", f"the engine did not reach a boundary within {APPLY_TIMEOUT_S:.0f} s") from None
         except (ValueError, KeyError) as err:
             raise AdminError("rejected", str(err).strip("'\"")) from None
-        return {"steps": ack.steps, "mode": ack.mode, "round": ack.round}
+        return {"k": ack.k, "mode": ack.mode, "round": ack.round}
 
     async def reload(self, args: dict[str, Any]) -> dict[str, Any]:
         outcome = await self.reloader.reload("admin")
@@ -142,11 +143,12 @@ class AdminCommands:
         return outcome.as_dict()
 
 
-def _steps(args: dict[str, Any]) -> int:
-    steps = args.get("steps")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise AdminError("bad_args", f'expected {{"steps": K}} with an integer K >= 0, got {clip(repr(args))}')
-    unknown = set(args) - {"steps"}
+def _k_of(args: dict[str, Any]) -> int:
+    # "steps" is what clients before the renaming sent.
+    k = args.get("k", args.get("steps"))
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise AdminError("bad_args", f'expected {{"k": K}} with an integer K >= 0, got {clip(repr(args))}')
+    unknown = set(args) - {"k", "steps"}
     if unknown:
         raise AdminError("bad_args", f"unknown arguments: {', '.join(sorted(unknown))}")
-    return steps
+    return k

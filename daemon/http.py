@@ -113,7 +113,7 @@ class Submission:
             "rounds": self.rounds,
             "accepted_drafts": self.accepted,
             "proposed_drafts": self.proposed,
-            "steps": self.loop.status.k,
+            "k": self.loop.status.k,
         }
 
 

@@ -30,7 +30,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0,
 
 
 class Metrics:
-    def __init__(self, max_steps: int) -> None:
+    def __init__(self, max_k: int) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(
@@ -53,11 +53,11 @@ class Metrics:
             registry=registry,
         )
         self.tokens = Counter("adaspec_generated_tokens", "Tokens generated", registry=registry)
-        self.rounds = Counter("adaspec_rounds", "Speculative rounds run, by step count k", ["k"], registry=registry)
+        self.rounds = Counter("adaspec_rounds", "Speculative rounds run, by draft length k", ["k"], registry=registry)
         self.accepted = Histogram(
             "adaspec_accepted_drafts",
             "Drafts accepted per sequence per round",
-            buckets=tuple(range(max_steps + 1)),
+            buckets=tuple(range(max_k + 1)),
             registry=registry,
         )
         self.proposed_at = Counter(
@@ -117,7 +117,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         loop, status = self.loop, self.loop.status
-        yield GaugeMetricFamily("adaspec_steps", "Step count k the next round runs with", value=status.k)
+        yield GaugeMetricFamily("adaspec_k", "Draft length k the next round runs with", value=status.k)
         yield GaugeMetricFamily(
             "adaspec_requests_in_flight",
             "Requests submitted and not finished (running and queued)",

@@ -19,7 +19,7 @@ import structlog
 from control.config import ConfigError, ConfigSnapshot, diff, parse_config
 from daemon.logs import configure_logging
 from daemon.notify import Notifier
-from daemon.runtime import required_steps
+from daemon.runtime import required_k
 from engine.loop import EngineLoop
 
 log = structlog.get_logger("adaspec.reload")
@@ -76,6 +76,8 @@ class Reloader:
             self.last = outcome
         if outcome.ok:
             log.info("reload", **_fields(outcome))
+            for warning in () if outcome.unchanged else self.snapshot.warnings:
+                log.warning("config warning", warning=warning)
         else:
             self.failures += 1
             log.error("reload rejected", **_fields(outcome))
@@ -97,12 +99,12 @@ class Reloader:
             return self._rejected(trigger, *(str(issue) for issue in err.issues))
 
         engine = self.loop.engine
-        too_big = [k for k in required_steps(new) if k > engine.max_steps]
+        too_big = [k for k in required_k(new) if k > engine.max_k]
         if too_big:
             return self._rejected(
                 trigger,
-                f"adaptive: step counts {too_big} exceed the running engine's max_steps {engine.max_steps} "
-                "(raising engine.max_steps needs a restart)",
+                f"adaptive: draft lengths {too_big} exceed the running engine's max_k {engine.max_k} "
+                "(raising engine.max_k needs a restart)",
             )
         changes = diff(current, new)
         restart = diff(self.boot, new).restart
@@ -126,14 +128,14 @@ class Reloader:
 
     async def _apply_adaptive(self, new: ConfigSnapshot) -> int:
         built = {state.k for state in self.loop.status.states}
-        for k in required_steps(new):
+        for k in required_k(new):
             if k not in built:
                 log.info("building runtime state", k=k)
                 await anyio.to_thread.run_sync(self.loop.build_state(k).result, APPLY_TIMEOUT_S)
         if self.boot.engine.drafter == "none":
             return self.loop.status.round  # nothing to adapt without a drafter
         adaptive = new.adaptive
-        done = self.loop.set_params(adaptive.policy, adaptive=adaptive.enabled, static_steps=adaptive.static_steps)
+        done = self.loop.set_params(adaptive.policy, adaptive=adaptive.enabled, static_k=adaptive.static_k)
         ack = await anyio.to_thread.run_sync(done.result, APPLY_TIMEOUT_S)
         return ack.round
 

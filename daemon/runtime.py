@@ -32,14 +32,14 @@ class Models:
     draft: Checkpoint | None  # for the drafters that run a draft model
 
 
-def required_steps(snapshot: ConfigSnapshot) -> tuple[int, ...]:
+def required_k(snapshot: ConfigSnapshot) -> tuple[int, ...]:
     """Every k the adaptive section may ask for: each needs a runtime state before it is used."""
     adaptive = snapshot.adaptive
-    steps = set(adaptive.policy.all_steps)
-    steps.add(adaptive.static_steps)
+    ks = set(adaptive.policy.all_k)
+    ks.add(adaptive.static_k)
     if snapshot.engine.drafter == "none":
         return (0,)
-    return tuple(sorted(steps))
+    return tuple(sorted(ks))
 
 
 def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported) -> Models:
@@ -85,7 +85,7 @@ def build_controller(
             ngram_max=settings.ngram_max,
             lookup_history=settings.lookup_history,
         )
-    first, *others = required_steps(snapshot)
+    first, *others = required_k(snapshot)
     with phase(f"allocate caches, build runtime state k={first}"):
         engine = Engine(
             models.target,
@@ -93,7 +93,7 @@ def build_controller(
             batch,
             seq_len,
             [first],
-            max_steps=settings.max_steps,
+            max_k=settings.max_k,
             verification=settings.verification,
         )
     for k in others:
@@ -101,14 +101,14 @@ def build_controller(
             engine.build_state(k)
     adaptive = snapshot.adaptive
     if drafter is None:
-        plain = replace(adaptive.policy, candidate_steps=(0,), slots=())
-        return Controller(engine, plain, adaptive=False, static_steps=0, on_switch=on_switch)
+        plain = replace(adaptive.policy, candidate_k=(0,), slots=())
+        return Controller(engine, plain, adaptive=False, static_k=0, on_switch=on_switch)
     return Controller(
         engine,
         adaptive.policy,
         adaptive=adaptive.enabled,
-        static_steps=adaptive.static_steps,
-        initial_steps=adaptive.initial_steps,
+        static_k=adaptive.static_k,
+        initial_k=adaptive.initial_k,
         on_switch=on_switch,
     )
 

@@ -6,7 +6,7 @@ Modes:
 - forced(k): k is used from the next boundary, then the policy adapts again from there;
 - static: adaptation is disabled in the config; k is fixed.
 
-Control messages (new parameters, pin, unpin, force) are applied with `apply` between steps, on
+Control messages (new parameters, pin, unpin, force) are applied with `apply` between rounds, on
 the engine thread (engine/loop.py queues them from other threads); each is acknowledged with the
 round from which it takes effect.
 """
@@ -28,7 +28,7 @@ log = structlog.get_logger("adaspec.engine")
 @dataclass(frozen=True)
 class Ack:
     round: int  # the first round run under the change
-    steps: int
+    k: int
     mode: str
 
 
@@ -36,12 +36,12 @@ class Ack:
 class SetParams:
     params: PolicyParams
     adaptive: bool = True
-    static_steps: int | None = None
+    static_k: int | None = None
 
 
 @dataclass(frozen=True)
 class Pin:
-    steps: int
+    k: int
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Unpin:
 
 @dataclass(frozen=True)
 class Force:
-    steps: int
+    k: int
 
 
 Message = SetParams | Pin | Unpin | Force
@@ -64,84 +64,84 @@ class Controller:
         engine: Engine,
         params: PolicyParams,
         adaptive: bool = True,
-        static_steps: int | None = None,
-        initial_steps: int | None = None,
+        static_k: int | None = None,
+        initial_k: int | None = None,
         on_switch: SwitchObserver | None = None,
     ) -> None:
         self.engine = engine
         self.on_switch = on_switch  # called on the engine thread after every switch (metrics)
         self.params = params
-        self.policy: Policy = make_policy(params, initial_steps)
+        self.policy: Policy = make_policy(params, initial_k)
         self.mode = "adaptive" if adaptive else "static"
-        self.static_steps = static_steps if static_steps is not None else self.policy.steps
+        self.static_k = static_k if static_k is not None else self.policy.k
         self.pinned: int | None = None
         self.forced: int | None = None  # k for the next round only
         self.switches = 0
-        self._steps = self._wanted_steps()
+        self._k = self._wanted_k()
         self._reason = "start"
-        self._require_state(self._steps)
-        self.engine.select(self._steps)
+        self._require_state(self._k)
+        self.engine.select(self._k)
 
     # ---- what the next round uses --------------------------------------------------------
 
     @property
-    def steps(self) -> int:
-        return self._steps
+    def k(self) -> int:
+        return self._k
 
-    def _wanted_steps(self) -> int:
+    def _wanted_k(self) -> int:
         if self.mode == "static":
-            return self.static_steps
+            return self.static_k
         if self.pinned is not None:
             return self.pinned
         if self.forced is not None:
             return self.forced
-        return self.policy.steps
+        return self.policy.k
 
     def _require_state(self, k: int) -> None:
         if k not in self.engine.states:
-            raise ValueError(f"no runtime state for step count {k}; built: {sorted(self.engine.states)}")
+            raise ValueError(f"no runtime state for draft length {k}; built: {sorted(self.engine.states)}")
 
-    # ---- control messages (between steps) -------------------------------------------------
+    # ---- control messages (between rounds) -------------------------------------------------
 
     def apply(self, message: Message) -> Ack:
         """Apply a control message before the next round; ValueError or KeyError (and nothing
         changed) if it cannot be."""
         reason = self._apply(message)
-        self._set_steps(self._wanted_steps(), reason)
+        self._set_k(self._wanted_k(), reason)
         return self.ack()
 
     def ack(self) -> Ack:
         """What the next round runs with."""
-        return Ack(self.engine.round, self._steps, self.mode_name)
+        return Ack(self.engine.round, self._k, self.mode_name)
 
     def _apply(self, message: Message) -> str:
         if isinstance(message, Pin):
-            self._require_state(message.steps)
-            self.pinned = message.steps
+            self._require_state(message.k)
+            self.pinned = message.k
             return "pin"
         if isinstance(message, Unpin):
             if self.pinned is not None:
-                self.policy.set_steps(self.pinned)
+                self.policy.set_k(self.pinned)
             self.pinned = None
             return "unpin"
         if isinstance(message, Force):
-            self._require_state(message.steps)
+            self._require_state(message.k)
             if self.mode == "static":
                 raise ValueError("adaptation is disabled: force needs [adaptive] enabled = true (use pin)")
             self.pinned = None
-            self.forced = message.steps
+            self.forced = message.k
             # The policy adapts from the forced k (snapped onto its candidates) afterwards.
-            self.policy.set_steps(message.steps)
+            self.policy.set_k(message.k)
             return "force"
-        for k in message.params.all_steps:
+        for k in message.params.all_k:
             self._require_state(k)
-        if message.static_steps is not None:
-            self._require_state(message.static_steps)
+        if message.static_k is not None:
+            self._require_state(message.static_k)
         self.policy.update_params(message.params)
         self.params = message.params
         self.mode = "adaptive" if message.adaptive else "static"
-        if message.static_steps is not None:
-            self.static_steps = message.static_steps
+        if message.static_k is not None:
+            self.static_k = message.static_k
         return "params"
 
     @property
@@ -154,19 +154,19 @@ class Controller:
 
     # ---- the loop body ------------------------------------------------------------------
 
-    def _set_steps(self, k: int, reason: str) -> None:
-        if k == self._steps:
+    def _set_k(self, k: int, reason: str) -> None:
+        if k == self._k:
             return
         ema = round(self.policy.ema, 4)
-        log.info("switch", **{"from": self._steps, "to": k}, ema=ema, reason=reason, round=self.engine.round)
-        previous, self._steps = self._steps, k
+        log.info("switch", **{"from": self._k, "to": k}, ema=ema, reason=reason, round=self.engine.round)
+        previous, self._k = self._k, k
         self.switches += 1
         if self.on_switch is not None:
             self.on_switch(previous, k, reason)
 
     def step(self) -> StepResult:
         """Run one round with the chosen state."""
-        self.engine.select(self._steps)
+        self.engine.select(self._k)
         started = time.perf_counter()
         result = self.engine.step()
         round_seconds = time.perf_counter() - started - result.prefill_seconds
@@ -186,7 +186,7 @@ class Controller:
             decision = None
         if self.forced is not None and result.batch_size:
             self.forced = None  # the forced round has run: adapt again from here
-            self._set_steps(self._wanted_steps(), decision.reason if decision else "policy")
+            self._set_k(self._wanted_k(), decision.reason if decision else "policy")
         elif decision is not None and self.mode == "adaptive" and self.pinned is None:
-            self._set_steps(decision.steps, decision.reason)
+            self._set_k(decision.k, decision.reason)
         return result

@@ -4,8 +4,8 @@ A round, for every running sequence at once: `draft` up to k tokens, `verify` th
 forward of k+1 tokens, `accept` the kept ones (rolling back the target and draft caches), and
 emit them. New requests are prefilled and join, and finished ones leave, only between rounds.
 
-The step count k lives in a `RuntimeState` built for each candidate k before serving; changing
-k means selecting another built state between steps, never building one inside a round.
+The draft length k lives in a `RuntimeState` built for each candidate k before serving; changing
+k means selecting another built state between rounds, never building one inside a round.
 
 Only the thread that calls `step()` touches an engine; from other threads, engine/loop.py's
 inbox is the one way in.
@@ -48,7 +48,7 @@ class StateStats:
 
 @dataclass
 class RuntimeState:
-    """Everything a round with step count `k` needs, made before it is ever selected.
+    """Everything a round with draft length `k` needs, made before it is ever selected.
 
     On CPU that is the warmed-up shapes of its verify forward and what its rounds have shown;
     on backends with graphs it also owns its verify graphs (`memory_bytes` is what capturing them
@@ -91,9 +91,9 @@ class Engine:
         drafter: Drafter | None,
         max_batch_size: int,
         max_seq_len: int,
-        candidate_steps: Iterable[int],
-        max_steps: int = 8,
-        initial_steps: int | None = None,
+        candidate_k: Iterable[int],
+        max_k: int = 8,
+        initial_k: int | None = None,
         backend: Backend | None = None,
         graphs: bool = True,
         graph_batch_sizes: Iterable[int] | None = None,
@@ -107,7 +107,7 @@ class Engine:
         self.drafter = drafter
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.max_steps = max_steps
+        self.max_k = max_k
         self.cache = self.model.new_cache(max_batch_size, max_seq_len)
         self.backend = backend or backend_for(self.model.embed_tokens.weight.device)
         self.graph_runner: GraphRunner | None = None
@@ -122,11 +122,11 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.cancelled: set[str] = set()  # request ids dropped at the next boundary
         self.states: dict[int, RuntimeState] = {}
-        for k in sorted(set(candidate_steps)):
+        for k in sorted(set(candidate_k)):
             self.build_state(k)
         if not self.states:
-            raise ValueError("at least one candidate step count is needed")
-        first = initial_steps if initial_steps is not None else max(self.states)
+            raise ValueError("at least one candidate draft length is needed")
+        first = initial_k if initial_k is not None else max(self.states)
         self.state = self.states[first]
 
     # ---- runtime states -------------------------------------------------------------------
@@ -134,10 +134,10 @@ class Engine:
     def build_state(self, k: int) -> RuntimeState:
         """Build the state for `k`, between rounds: its warm-up and graph capture use the device,
         and would be timed into a round running beside them."""
-        if not 0 <= k <= self.max_steps:
-            raise ValueError(f"step count {k} is outside 0..{self.max_steps}")
+        if not 0 <= k <= self.max_k:
+            raise ValueError(f"draft length {k} is outside 0..{self.max_k}")
         if k > 0 and self.drafter is None:
-            raise ValueError(f"step count {k} needs a drafter; this engine has none")
+            raise ValueError(f"draft length {k} needs a drafter; this engine has none")
         if k in self.states:
             return self.states[k]
         started = time.perf_counter()
@@ -181,10 +181,10 @@ class Engine:
 
     def select(self, k: int) -> RuntimeState:
         """Make the state for `k` active from the next round on (a reference swap: its graphs are
-        already captured). Call between steps only."""
+        already captured). Call between rounds only."""
         state = self.states.get(k)
         if state is None:
-            raise KeyError(f"no runtime state for step count {k}; built: {sorted(self.states)}")
+            raise KeyError(f"no runtime state for draft length {k}; built: {sorted(self.states)}")
         self.state = state
         return state
 

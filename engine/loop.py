@@ -140,8 +140,8 @@ class EngineLoop:
     def force(self, k: int) -> Future[Ack]:
         return self.send(Force(k))
 
-    def set_params(self, params: PolicyParams, adaptive: bool = True, static_steps: int | None = None) -> Future[Ack]:
-        return self.send(SetParams(params, adaptive, static_steps))
+    def set_params(self, params: PolicyParams, adaptive: bool = True, static_k: int | None = None) -> Future[Ack]:
+        return self.send(SetParams(params, adaptive, static_k))
 
     def build_state(self, k: int) -> Future[Ack]:
         """Build the runtime state for k between rounds (a no-op where it exists)."""
@@ -262,7 +262,7 @@ class EngineLoop:
             built = sorted(engine.states.values(), key=lambda s: s.k)
             self._states = tuple(StateInfo(s.k, s.build_seconds, s.memory_bytes) for s in built)
         return EngineStatus(
-            k=controller.steps,
+            k=controller.k,
             mode=controller.mode_name,
             pinned=controller.pinned,
             params=controller.params,

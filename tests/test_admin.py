@@ -319,11 +319,11 @@ async def ctl_handler(cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, A
     if cmd == "status":
         return {"state": "serving", "k": 4, "rates": {"accept": 0.75}, "steps": [1, 2, 4], "pinned": None}
     if cmd in ("pin", "force"):
-        return {"mode": cmd, "steps": args["steps"]}
+        return {"mode": cmd, "k": args["k"]}
     if cmd == "unpin":
         return {}
     if cmd == "reload":
-        raise AdminError("reload_rejected", "engine.max_steps: must be positive")
+        raise AdminError("reload_rejected", "engine.max_k: must be positive")
     raise AdminError("unknown_command", cmd)
 
 
@@ -351,19 +351,19 @@ async def test_ctl_against_a_live_server(sock_path: Path) -> None:
         assert code == 0 and json.loads(out)["rates"] == {"accept": 0.75}
 
         code, out, _ = await ctl("--socket", sock, "--json", "pin", "3")
-        assert code == 0 and json.loads(out) == {"mode": "pin", "steps": 3}
+        assert code == 0 and json.loads(out) == {"mode": "pin", "k": 3}
         code, out, _ = await ctl("--socket", sock, "force", "0")
-        assert code == 0 and out.splitlines() == ["mode: force", "steps: 0"]
+        assert code == 0 and out.splitlines() == ["mode: force", "k: 0"]
         code, out, _ = await ctl("--socket", sock, "unpin")
         assert (code, out) == (0, "")
 
         code, out, err = await ctl("--socket", sock, "reload")
         assert (code, out) == (1, "")
-        assert err.strip() == "error [reload_rejected]: engine.max_steps: must be positive"
+        assert err.strip() == "error [reload_rejected]: engine.max_k: must be positive"
         code, out, _ = await ctl("--socket", sock, "--json", "reload")
         assert code == 1 and json.loads(out) == {
             "code": "reload_rejected",
-            "message": "engine.max_steps: must be positive",
+            "message": "engine.max_k: must be positive",
         }
 
 

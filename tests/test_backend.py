@@ -273,7 +273,7 @@ def test_greedy_through_graphs_equals_target_only_for_every_k(pair, batch_size):
     expected = reference(target, prompts, params)
     for k in STEPS:
         drafter = DraftModelDrafter(draft, batch_size, MAX_SEQ_LEN)
-        engine = Engine(target, drafter, batch_size, MAX_SEQ_LEN, STEPS, initial_steps=k, backend=FakeGraphBackend())
+        engine = Engine(target, drafter, batch_size, MAX_SEQ_LEN, STEPS, initial_k=k, backend=FakeGraphBackend())
         requests = [Request(tuple(p), params) for p in prompts]
         outputs = engine.run_until_done(requests)
         assert [outputs[r.id] for r in requests] == expected, f"k={k}"

@@ -83,7 +83,7 @@ def test_headroom_measures_keep_chances_from_the_draft_against_the_target(tmp_pa
     assert all(0.0 < c <= 1.0 + 1e-6 for c in sampled) and min(sampled) < 0.99
     headroom_main(
         ["--workload", str(workload), "--target", str(target_dir), "--draft", str(draft_dir)]
-        + ["--max-steps", "3", "--passes", "2"]
+        + ["--max-k", "3", "--passes", "2"]
     )
     printed = capsys.readouterr().out
     assert "per-phase oracle" in printed and "knows the odds" in printed and "clairvoyant" in printed
@@ -122,8 +122,8 @@ def test_bench_spec_without_a_config_runs_what_the_daemon_runs():
     bench = spec.build_controller(f"adaptive:{strategy}", snapshot, models, 2, shipped.engine.max_seq_len)
     for controller in (daemon, bench):
         assert controller.mode_name == "adaptive" and controller.params == shipped.adaptive.policy
-    assert bench.steps == daemon.steps and sorted(bench.engine.states) == sorted(daemon.engine.states)
+    assert bench.k == daemon.k and sorted(bench.engine.states) == sorted(daemon.engine.states)
     assert type(bench.engine.drafter) is type(daemon.engine.drafter)
     assert bench.engine.drafter.name == shipped.engine.drafter
-    assert (bench.engine.verification, bench.engine.max_steps) == (daemon.engine.verification, daemon.engine.max_steps)
+    assert (bench.engine.verification, bench.engine.max_k) == (daemon.engine.verification, daemon.engine.max_k)
     assert type(bench.engine.drafter.model) is type(daemon.engine.drafter.model)  # int8 or not, alike

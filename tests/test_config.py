@@ -124,9 +124,9 @@ def test_every_schema_key_is_a_settings_field():
 )
 def test_each_strategy_has_its_own_default_candidates_unless_the_file_names_them(tmp_path, strategy, candidates):
     snapshot = load_config(write(tmp_path, f'[adaptive]\nstrategy = "{strategy}"\n'))
-    assert snapshot.adaptive.policy.candidate_steps == candidates
+    assert snapshot.adaptive.policy.candidate_k == candidates
     named = load_config(write(tmp_path, f'[adaptive]\nstrategy = "{strategy}"\ncandidate_steps = [0, 2]\n'))
-    assert named.adaptive.policy.candidate_steps == (0, 2)
+    assert named.adaptive.policy.candidate_k == (0, 2)
 
 
 def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch):
@@ -136,10 +136,8 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
     # The daemon's defaults: the measured strategy over its own ladder (chosen on the tuning half
     # of the workload suite, docs/benchmarks.md); every other policy parameter is PolicyParams'.
-    assert snapshot.adaptive.policy == PolicyParams(
-        strategy="measured", candidate_steps=(0, 1, 2, 3, 5, 7), ema_alpha=0.5
-    )
-    assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_steps is None
+    assert snapshot.adaptive.policy == PolicyParams(strategy="measured", candidate_k=(0, 1, 2, 3, 5, 7), ema_alpha=0.5)
+    assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_k is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
     assert snapshot.engine.max_batch_size == 8 and snapshot.server.port == 8000
     assert snapshot.admin.socket == Path("/run/adaspec/admin.sock")
@@ -188,8 +186,8 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[adaptive]\nema_alfa = 0.1\n", "adaptive.ema_alfa", "did you mean 'ema_alpha'"),
         ("engine = 3\n", "engine", "must be a table"),
         ("[adaptive]\nenabled = 1\n", "adaptive.enabled", "true or false"),
-        ("[engine]\nmax_steps = true\n", "engine.max_steps", "must be an integer, got boolean"),
-        ("[engine]\nmax_steps = 4.0\n", "engine.max_steps", "must be an integer, got float"),
+        ("[engine]\nmax_steps = true\n", "engine.max_k", "must be an integer, got boolean"),
+        ("[engine]\nmax_steps = 4.0\n", "engine.max_k", "must be an integer, got float"),
         ("[adaptive]\nema_alpha = true\n", "adaptive.ema_alpha", "must be a number"),
         ('[adaptive]\nema_alpha = "0.2"\n', "adaptive.ema_alpha", "must be a number"),
         ("[adaptive]\nema_alpha = nan\n", "adaptive.ema_alpha", "finite"),
@@ -197,20 +195,20 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[adaptive]\nema_alpha = 1.5\n", "adaptive.ema_alpha", "> 0 and <= 1"),
         ("[engine]\nmax_batch_size = 0\n", "engine.max_batch_size", ">= 1 and <= 256"),
         ("[engine]\nmax_seq_len = 65536\n", "engine.max_seq_len", "<= 32768"),
-        ("[engine]\nmax_steps = 65\n", "engine.max_steps", "<= 64"),
+        ("[engine]\nmax_steps = 65\n", "engine.max_k", "<= 64"),
         ("[server]\nport = 65536\n", "server.port", ">= 0 and <= 65535"),
         ("[server]\nmax_queue = -1\n", "server.max_queue", ">= 0 and <= 100000"),
         ("[shutdown]\ndrain_timeout_s = 0\n", "shutdown.drain_timeout_s", "> 0"),
         ("[adaptive]\nupdate_interval = 0\n", "adaptive.update_interval", ">= 1"),
-        ("[adaptive]\ncandidate_steps = []\n", "adaptive.candidate_steps", "must not be empty"),
-        ("[adaptive]\ncandidate_steps = [1, 3, 3]\n", "adaptive.candidate_steps", "duplicates: 3"),
-        ("[adaptive]\ncandidate_steps = [1, -1]\n", "adaptive.candidate_steps", ">= 0"),
-        ('[adaptive]\ncandidate_steps = [1, "3"]\n', "adaptive.candidate_steps", "integers only"),
-        ("[adaptive]\ncandidate_steps = 3\n", "adaptive.candidate_steps", "array of integers"),
-        ("[adaptive]\ncandidate_steps = [1, 33]\n", "adaptive.candidate_steps", "33 above engine.max_steps = 32"),
-        ("[adaptive]\nstatic_steps = 33\n", "adaptive.static_steps", "above engine.max_steps"),
-        ("[adaptive]\ninitial_steps = 33\n", "adaptive.initial_steps", "above engine.max_steps"),
-        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_steps", "5, 7 above engine.max_steps = 4 (the default"),
+        ("[adaptive]\ncandidate_steps = []\n", "adaptive.candidate_k", "must not be empty"),
+        ("[adaptive]\ncandidate_steps = [1, 3, 3]\n", "adaptive.candidate_k", "duplicates: 3"),
+        ("[adaptive]\ncandidate_steps = [1, -1]\n", "adaptive.candidate_k", ">= 0"),
+        ('[adaptive]\ncandidate_steps = [1, "3"]\n', "adaptive.candidate_k", "integers only"),
+        ("[adaptive]\ncandidate_steps = 3\n", "adaptive.candidate_k", "array of integers"),
+        ("[adaptive]\ncandidate_steps = [1, 33]\n", "adaptive.candidate_k", "33 above engine.max_k = 32"),
+        ("[adaptive]\nstatic_steps = 33\n", "adaptive.static_k", "above engine.max_k"),
+        ("[adaptive]\ninitial_steps = 33\n", "adaptive.initial_k", "above engine.max_k"),
+        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_k", "5, 7 above engine.max_k = 4 (the default"),
         ("[engine]\nngram_min = 5\n", "engine.ngram_min", "<= engine.ngram_max (4)"),
         ("[engine]\nngram_min = 0\n", "engine.ngram_min", ">= 1"),
         ("[engine]\nlookup_history = -1\n", "engine.lookup_history", ">= 0"),
@@ -237,7 +235,7 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[[adaptive.slots]]\nmin_batch_size = 2\ncandidate = [1]\n", "adaptive.slots[0].candidate", "did you mean"),
         (
             "[[adaptive.slots]]\nmin_batch_size = 2\ncandidate_steps = []\n",
-            "adaptive.slots[0].candidate_steps",
+            "adaptive.slots[0].candidate_k",
             "empty",
         ),
     ],
@@ -249,31 +247,31 @@ def test_each_error_is_reported_with_its_key_path(tmp_path, text, path, fragment
 
 
 def test_explicit_max_steps_bounds_keys_only_when_it_is_valid(tmp_path):
-    # An invalid max_steps is reported once, not again through every k it would bound.
-    assert set(issues_of(tmp_path, "[engine]\nmax_steps = 0\n")) == {"engine.max_steps"}
+    # An invalid max_k is reported once, not again through every k it would bound.
+    assert set(issues_of(tmp_path, "[engine]\nmax_steps = 0\n")) == {"engine.max_k"}
 
 
 def test_a_file_with_several_errors_reports_all_of_them(tmp_path):
     text = """
 [engine]
-max_steps = 4
+max_k = 4
 ngram_min = 3
 ngram_max = 2
 device = "tpu"
 colour = "blue"
 
 [adaptive]
-candidate_steps = [1, 3, 3]
-static_steps = 6
+candidate_k = [1, 3, 3]
+static_k = 6
 ema_alpha = 2.0
 
 [[adaptive.slots]]
 min_batch_size = 4
-candidate_steps = [1, 5]
+candidate_k = [1, 5]
 
 [[adaptive.slots]]
 min_batch_size = 4
-candidate_steps = [2]
+candidate_k = [2]
 
 [admin]
 mode = "999"
@@ -291,10 +289,10 @@ port = 70000
             "engine.ngram_min",
             "engine.device",
             "engine.colour",
-            "adaptive.candidate_steps",
-            "adaptive.static_steps",
+            "adaptive.candidate_k",
+            "adaptive.static_k",
             "adaptive.ema_alpha",
-            "adaptive.slots[0].candidate_steps",
+            "adaptive.slots[0].candidate_k",
             "adaptive.slots[1].min_batch_size",
             "admin.mode",
             "server.port",
@@ -309,19 +307,19 @@ port = 70000
 def test_slot_errors_are_still_reported_next_to_other_slot_errors(tmp_path):
     text = """
 [engine]
-max_steps = 4
+max_k = 4
 [[adaptive.slots]]
 min_batch_size = 2
-candidate_steps = [1, 5]
+candidate_k = [1, 5]
 [[adaptive.slots]]
 min_batch_size = 8
-candidate_steps = [1, 6]
+candidate_k = [1, 6]
 """
     issues = issues_of(tmp_path, text)
     assert issues == {
-        "adaptive.slots[0].candidate_steps": "5 above engine.max_steps = 4",
-        "adaptive.slots[1].candidate_steps": "6 above engine.max_steps = 4",
-        "adaptive.candidate_steps": "5, 7 above engine.max_steps = 4 (the default; set it explicitly)",
+        "adaptive.slots[0].candidate_k": "5 above engine.max_k = 4",
+        "adaptive.slots[1].candidate_k": "6 above engine.max_k = 4",
+        "adaptive.candidate_k": "5, 7 above engine.max_k = 4 (the default; set it explicitly)",
     }
 
 
@@ -377,28 +375,28 @@ def test_sha256_is_of_the_raw_bytes(tmp_path):
 def test_slots_parse_into_batch_slots():
     text = """
 [adaptive]
-candidate_steps = [0, 1, 3, 7]
+candidate_k = [0, 1, 3, 7]
 [[adaptive.slots]]
 min_batch_size = 4
-candidate_steps = [0, 1, 3]
+candidate_k = [0, 1, 3]
 [[adaptive.slots]]
 min_batch_size = 16
-candidate_steps = [0, 1]
+candidate_k = [0, 1]
 """
     snapshot = parse_config(text)
     assert snapshot.adaptive.policy.slots == (BatchSlot(4, (0, 1, 3)), BatchSlot(16, (0, 1)))
-    assert snapshot.adaptive.policy.all_steps == (0, 1, 3, 7)
+    assert snapshot.adaptive.policy.all_k == (0, 1, 3, 7)
     assert snapshot.sources["adaptive.slots"] == "file"
     assert effective(snapshot)["adaptive.slots"]["value"] == [
-        {"min_batch_size": 4, "candidate_steps": [0, 1, 3]},
-        {"min_batch_size": 16, "candidate_steps": [0, 1]},
+        {"min_batch_size": 4, "candidate_k": [0, 1, 3]},
+        {"min_batch_size": 16, "candidate_k": [0, 1]},
     ]
 
 
 def test_slot_candidate_above_max_steps_names_the_slot():
     with pytest.raises(ConfigError) as caught:
         parse_config("[[adaptive.slots]]\nmin_batch_size = 2\ncandidate_steps = [1, 33]\n")
-    assert [issue.path for issue in caught.value.issues] == ["adaptive.slots[0].candidate_steps"]
+    assert [issue.path for issue in caught.value.issues] == ["adaptive.slots[0].candidate_k"]
 
 
 # --- diff and effective -------------------------------------------------------------------------
@@ -419,14 +417,14 @@ def test_diff_classifies_live_and_restart_changes():
 
 def test_effective_marks_admin_overrides():
     snapshot = parse_config("[adaptive]\nstrategy = 'ema'\n")
-    table = effective(snapshot, {"adaptive.steps": 3, "adaptive.ema_alpha": 0.5})
+    table = effective(snapshot, {"adaptive.pinned_k": 3, "adaptive.ema_alpha": 0.5})
     assert table["adaptive.strategy"] == {"value": "ema", "source": "file"}
-    assert table["adaptive.candidate_steps"] == {"value": [1, 3, 7], "source": "default"}  # ema's own
+    assert table["adaptive.candidate_k"] == {"value": [1, 3, 7], "source": "default"}  # ema's own
     assert table["adaptive.ema_alpha"] == {"value": 0.5, "source": "admin"}
-    assert table["adaptive.steps"] == {"value": 3, "source": "admin"}
-    assert table["adaptive.initial_steps"] == {"value": None, "source": "default"}
+    assert table["adaptive.pinned_k"] == {"value": 3, "source": "admin"}
+    assert table["adaptive.initial_k"] == {"value": None, "source": "default"}
     assert isinstance(table["engine.target"]["value"], str)
-    assert set(table) == set(key_paths()) | {"adaptive.steps"}
+    assert set(table) == set(key_paths()) | {"adaptive.pinned_k"}
 
 
 def test_get_reads_any_key_path():
@@ -435,7 +433,7 @@ def test_get_reads_any_key_path():
     assert snapshot.get("adaptive.enabled") is False
     assert snapshot.get("adaptive.switch_margin") == 0.1
     with pytest.raises(KeyError):
-        snapshot.get("adaptive.steps")
+        snapshot.get("adaptive.pinned_k")
 
 
 # --- hardening: what a running daemon must never accept or echo whole ---------------------------
@@ -492,3 +490,21 @@ def test_a_huge_value_is_echoed_by_a_short_prefix_and_its_size(tmp_path):
     issues = issues_of(tmp_path, f"[engine]\n{many}")
     assert len(issues) == 51 and issues["<file>"] == "4950 more problems not listed"
     assert len(issues_of(tmp_path, f"[engine]\n{'y' * 100_000} = 1\n")) == 1  # a huge key: one short issue
+
+
+def test_old_key_names_still_load_with_a_warning(tmp_path):
+    """ "step" meant k in these names; they are renamed, and a file that uses them keeps working."""
+    text = (
+        "[engine]\nmax_steps = 9\n[adaptive]\ncandidate_steps = [0, 2, 4]\nstatic_steps = 2\ninitial_steps = 4\n"
+        "[[adaptive.slots]]\nmin_batch_size = 4\ncandidate_steps = [0, 2]\n"
+    )
+    snapshot = load_config(write(tmp_path, text))
+    assert snapshot.engine.max_k == 9 and snapshot.adaptive.policy.candidate_k == (0, 2, 4)
+    assert (snapshot.adaptive.static_k, snapshot.adaptive.initial_k) == (2, 4)
+    assert snapshot.adaptive.policy.slots == (BatchSlot(4, (0, 2)),)
+    assert len(snapshot.warnings) == 5
+    assert "adaptive.candidate_steps is deprecated: it is now called candidate_k" in snapshot.warnings
+    assert "is the old name of static_k, which is set too" in issues_of(
+        tmp_path, "[adaptive]\nstatic_steps = 2\nstatic_k = 3\n"
+    ).get("adaptive.static_steps", "")
+    assert load_config(write(tmp_path, "[adaptive]\nstatic_k = 3\n")).warnings == ()

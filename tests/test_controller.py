@@ -17,7 +17,7 @@ from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.test_speculative import PROMPTS
 
-FAST = PolicyParams(candidate_steps=(1, 3, 7), warmup_batches=2, update_interval=1, ema_alpha=0.5)
+FAST = PolicyParams(candidate_k=(1, 3, 7), warmup_batches=2, update_interval=1, ema_alpha=0.5)
 
 
 def make(pair, params=FAST, steps=(0, 1, 2, 3, 5, 7), **kwargs) -> Controller:
@@ -46,7 +46,7 @@ def test_adaptive_switches_happen_between_rounds_and_output_stays_lossless(pair)
     requests = [Request(tuple(p), params) for p in PROMPTS]
     ks = []
     with capture_logs() as logs:
-        outputs = serve(controller, requests, on_step=lambda c: ks.append(c.steps))
+        outputs = serve(controller, requests, on_step=lambda c: ks.append(c.k))
     assert [outputs[r.id] for r in requests] == expected
     switches = [e for e in logs if e["event"] == "switch"]
     assert controller.switches == len(switches) > 0
@@ -64,7 +64,7 @@ def test_pin_holds_k_while_the_policy_keeps_observing_and_unpin_resumes(pair):
     controller.step()
     ack = controller.apply(Pin(2))
     result = controller.step()
-    assert ack.round == result.round and ack.steps == 2 and ack.mode == "pinned"
+    assert ack.round == result.round and ack.k == 2 and ack.mode == "pinned"
     seen = []
     observe = controller.policy.observe
     controller.policy.observe = lambda observation: seen.append(observation) or observe(observation)
@@ -88,28 +88,28 @@ def test_force_switches_at_the_next_boundary_then_adapts_again(pair):
 
 def test_pin_to_a_k_without_runtime_state_is_refused_and_nothing_changes(pair):
     controller = make(pair, steps=(1, 3, 7))
-    before = controller.steps
-    with pytest.raises(ValueError, match="no runtime state for step count 4"):
+    before = controller.k
+    with pytest.raises(ValueError, match="no runtime state for draft length 4"):
         controller.apply(Pin(4))
-    assert controller.steps == before and controller.mode_name == "adaptive"
+    assert controller.k == before and controller.mode_name == "adaptive"
 
 
 def test_new_params_apply_at_a_boundary_and_need_built_states(pair):
     controller = make(pair, steps=(1, 3, 7))
     controller.engine.add_request(Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True)))
     controller.step()
-    with pytest.raises(ValueError, match="no runtime state for step count 2"):
-        controller.apply(SetParams(replace(FAST, candidate_steps=(2, 4))))
+    with pytest.raises(ValueError, match="no runtime state for draft length 2"):
+        controller.apply(SetParams(replace(FAST, candidate_k=(2, 4))))
     # Build the missing states between rounds, then the same parameters are accepted.
     for k in (2, 4):
         controller.engine.build_state(k)
-    ok = controller.apply(SetParams(replace(FAST, candidate_steps=(2, 4))))
+    ok = controller.apply(SetParams(replace(FAST, candidate_k=(2, 4))))
     result = controller.step()
-    assert ok.steps in (2, 4) and result.k in (2, 4)
+    assert ok.k in (2, 4) and result.k in (2, 4)
 
 
 def test_static_mode_holds_its_k(pair):
-    controller = make(pair, adaptive=False, static_steps=3)
+    controller = make(pair, adaptive=False, static_k=3)
     for p in PROMPTS:
         controller.engine.add_request(Request(tuple(p), SamplingParams(max_tokens=30, ignore_eos=True)))
     ks = {controller.step().k for _ in range(10)}

@@ -32,7 +32,7 @@ max_seq_len = 512
 
 [adaptive]
 strategy = "ema"
-candidate_steps = [1, 3, 7]
+candidate_k = [1, 3, 7]
 ema_alpha = 0.2
 
 [admin]
@@ -184,7 +184,7 @@ def rewrite(config: Path, old: str, new: str, by_rename: bool = False) -> None:
 def test_ready_then_status_shows_the_running_state(daemon):
     status = daemon.status()
     assert status["mode"] == "adaptive" and status["strategy"] == "ema"
-    assert status["steps"] == 7 and status["generation"] == 1
+    assert status["k"] == 7 and status["generation"] == 1 and status["config_warnings"] == []
     assert [s["k"] for s in status["runtime_states"]] == [1, 3, 7]
     assert all(s["build_seconds"] > 0 for s in status["runtime_states"])
     assert status["last_reload"]["ok"] is True
@@ -194,20 +194,26 @@ def test_ready_then_status_shows_the_running_state(daemon):
 
 def test_pin_force_unpin_take_effect_at_a_boundary(daemon):
     code, pinned = daemon.ctl("pin", "3")
-    assert code == 0 and pinned["steps"] == 3 and pinned["mode"] == "pinned"
-    assert daemon.status()["steps"] == 3
+    assert code == 0 and pinned["k"] == 3 and pinned["mode"] == "pinned"
+    assert daemon.status()["k"] == 3
     switch = daemon.wait_for(lambda: [e for e in daemon.events("switch") if e["reason"] == "pin"], 5, "switch log")
     assert switch[-1]["to"] == 3 and switch[-1]["round"] == pinned["round"]
 
     code, unpinned = daemon.ctl("unpin")
     assert code == 0 and unpinned["mode"] == "adaptive"
     code, forced = daemon.ctl("force", "1")  # holds until the next round runs, then adapts
-    assert code == 0 and forced["steps"] == 1 and forced["mode"] == "forced"
+    assert code == 0 and forced["k"] == 1 and forced["mode"] == "forced"
 
     code, result = daemon.ctl("pin", "5")  # no runtime state for 5
-    assert code == 1 and "no runtime state for step count 5" in result["message"]
+    assert code == 1 and "no runtime state for draft length 5" in result["message"]
     code, text = daemon.ctl("pin", "3", json_out=False)
     assert code == 0 and "pinned" in text
+    daemon.ctl("unpin")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as old_client:  # sends {"steps": K}, the old name
+        old_client.settimeout(10)
+        old_client.connect(str(daemon.socket))
+        old_client.sendall(b'{"id": 1, "cmd": "pin", "args": {"steps": 1}}\n')
+        assert json.loads(old_client.recv(65536))["result"]["k"] == 1
     daemon.ctl("unpin")
 
 
@@ -253,7 +259,7 @@ def test_bad_edits_are_rejected_and_the_old_config_stays(daemon, old, bad, messa
     status = daemon.wait_for(lambda: (s := daemon.status())["last_reload"]["ok"] is False and s, 3.0, "the rejection")
     assert status["generation"] == before["generation"]
     assert any(message in error for error in status["last_reload"]["errors"])
-    assert status["strategy"] == before["strategy"] and status["steps"] == before["steps"]
+    assert status["strategy"] == before["strategy"] and status["k"] == before["k"]
     code, result = daemon.ctl("reload")  # the same errors through adaspecctl, exit status 1
     assert code == 1 and result["code"] == "reload_rejected" and message in result["message"]
     assert daemon.events("reload rejected")
@@ -316,7 +322,7 @@ def test_check_config_lists_every_error(tmp_path):
         [sys.executable, "-m", "daemon.cli", "--check-config", str(bad)], capture_output=True, text=True, cwd=ROOT
     )
     assert done.returncode != 0
-    for key in ("engine.max_batch_size", "adaptive.ema_alpha", "adaptive.candidate_steps"):
+    for key in ("engine.max_batch_size", "adaptive.ema_alpha", "adaptive.candidate_k"):
         assert key in done.stderr
     good = subprocess.run(
         [sys.executable, "-m", "daemon.cli", "--check-config", str(ROOT / "config.toml")],

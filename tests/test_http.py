@@ -39,7 +39,7 @@ MESSAGES = [
 MAX_TOKENS = 12
 LONG = 480  # with the daemon's max_seq_len of 512: a request that is still running moments later
 STATE_METRICS = (
-    "adaspec_steps",
+    "adaspec_k",
     "adaspec_requests_in_flight",
     "adaspec_config_generation",
     "adaspec_config_reload_failures_total",
@@ -119,7 +119,7 @@ def test_completions_equal_target_only_greedy_output(client, target):
     assert response.choices[0].text == text and response.choices[0].finish_reason == reason
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), tokens)
     stats = response.to_dict()["adaspec"]
-    assert set(stats) == {"rounds", "accepted_drafts", "proposed_drafts", "steps"}
+    assert set(stats) == {"rounds", "accepted_drafts", "proposed_drafts", "k"}
     assert 0 <= stats["accepted_drafts"] <= stats["proposed_drafts"]
 
     usage = {"include_usage": True}
@@ -245,7 +245,7 @@ def test_metrics_parse_and_move_with_requests(url, client):
     assert moved("adaspec_rounds_total") == response.to_dict()["adaspec"]["rounds"]
     assert moved("adaspec_accepted_drafts_count") == response.to_dict()["adaspec"]["rounds"]
     assert set(STATE_METRICS) <= {name for name, _ in after}
-    assert total(after, "adaspec_steps") in {1, 3, 7}
+    assert total(after, "adaspec_k") in {1, 3, 7}
 
 
 def test_text_stream_never_splits_a_character_nor_sends_part_of_a_stop_string(target):

@@ -59,9 +59,9 @@ def test_requests_from_another_thread_are_served_losslessly(loop, pair):
 
 def test_control_is_applied_while_idle_and_published_in_the_status(loop):
     ack = loop.pin(3).result(timeout=5)
-    assert ack.steps == 3 and ack.mode == "pinned"
+    assert ack.k == 3 and ack.mode == "pinned"
     assert loop.status.k == 3 and loop.status.mode == "pinned" and loop.status.pinned == 3
-    with pytest.raises(ValueError, match="no runtime state for step count 4"):
+    with pytest.raises(ValueError, match="no runtime state for draft length 4"):
         loop.pin(4).result(timeout=5)
     assert loop.status.mode == "pinned" and loop.status.k == 3  # a rejected command changes nothing
     assert loop.unpin().result(timeout=5).mode == "adaptive"
@@ -92,7 +92,7 @@ def test_a_runtime_state_is_built_by_the_engine_thread_between_rounds(loop, pair
     (build, done_when_sent), *_ = builds
     assert not done_when_sent and build.result(timeout=5).round > 0
     assert 4 in {s.k for s in loop.status.states}
-    assert loop.set_params(replace(FAST, candidate_steps=(1, 4))).result(timeout=5).steps in (1, 4)
+    assert loop.set_params(replace(FAST, candidate_k=(1, 4))).result(timeout=5).k in (1, 4)
     assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
 
 

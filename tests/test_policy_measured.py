@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from engine.policy import MeasuredPolicy, Observation, PolicyParams, make_policy
 
-LADDER = PolicyParams(strategy="measured", candidate_steps=(0, 1, 2, 3, 5, 7))
+LADDER = PolicyParams(strategy="measured", candidate_k=(0, 1, 2, 3, 5, 7))
 
 
 def traffic(acceptance: float, draft_step: float = 0.0004, verify_token: float = 0.0002) -> Callable:
@@ -40,7 +40,7 @@ def run(policy: MeasuredPolicy, serve: Callable, rounds: int, batch_size: int = 
     rng = random.Random(seed)
     served = []
     for _ in range(rounds):
-        served.append(serve(policy.steps, batch_size, rng))
+        served.append(serve(policy.k, batch_size, rng))
         policy.observe(served[-1])
     return served
 
@@ -50,7 +50,7 @@ def rate(rounds: list[Observation]) -> float:
 
 
 def best_static(serve: Callable, batch_size: int) -> float:
-    return max(tokens_per_second(serve, k, batch_size) for k in LADDER.candidate_steps)
+    return max(tokens_per_second(serve, k, batch_size) for k in LADDER.candidate_k)
 
 
 def test_it_climbs_to_a_k_as_fast_as_the_best_static_one():
@@ -87,7 +87,7 @@ def test_its_share_of_time_on_tries_that_lose_shrinks_with_its_exploration_budge
     serve = traffic(0.05)
     shares = []
     for exploration in (0.05, 0.005):
-        policy = MeasuredPolicy(replace(LADDER, exploration=exploration, candidate_steps=(0, 1)), initial_steps=0)
+        policy = MeasuredPolicy(replace(LADDER, exploration=exploration, candidate_k=(0, 1)), initial_k=0)
         ks = [o.k for o in run(policy, serve, 3000, batch_size=4)[500:]]
         shares.append(ks.count(1) / len(ks))
     assert shares[1] < shares[0] <= 0.15
@@ -99,21 +99,21 @@ def test_each_batch_size_keeps_its_own_rates_and_a_change_returns_to_the_fastest
     assert tokens_per_second(serve, 2, 1) > tokens_per_second(serve, 0, 1)
     policy = MeasuredPolicy(LADDER)
     run(policy, serve, 400, batch_size=1)
-    alone = policy.steps
+    alone = policy.k
     assert alone > 0
     run(policy, serve, 400, batch_size=8)
-    assert policy.steps == 0
-    decision = policy.observe(serve(policy.steps, 1, random.Random(3)))
-    assert decision is not None and decision.reason == "batch" and policy.steps > 0
+    assert policy.k == 0
+    decision = policy.observe(serve(policy.k, 1, random.Random(3)))
+    assert decision is not None and decision.reason == "batch" and policy.k > 0
 
 
 def test_a_parameter_swap_keeps_what_was_measured_and_snaps_k():
     serve = traffic(0.85)
     policy = MeasuredPolicy(LADDER)
     run(policy, serve, 400)
-    before = policy.steps
-    policy.update_params(replace(LADDER, exploration=0.05, candidate_steps=(0, 2, 4, 6)))
-    assert policy.steps in (0, 2, 4, 6) and abs(policy.steps - before) <= 1
+    before = policy.k
+    policy.update_params(replace(LADDER, exploration=0.05, candidate_k=(0, 2, 4, 6)))
+    assert policy.k in (0, 2, 4, 6) and abs(policy.k - before) <= 1
     assert policy.rate(before, 1) is not None  # the rates measured so far are kept
     served = run(policy, serve, 400, seed=1)
     assert {o.k for o in served} <= {0, 2, 4, 6}
@@ -121,4 +121,4 @@ def test_a_parameter_swap_keeps_what_was_measured_and_snaps_k():
 
 def test_make_policy_builds_it_from_the_config_name():
     assert isinstance(make_policy(LADDER), MeasuredPolicy)
-    assert make_policy(LADDER).steps == 2  # the middle of the ladder: the best k is at most half of it away
+    assert make_policy(LADDER).k == 2  # the middle of the ladder: the best k is at most half of it away

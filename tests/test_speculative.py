@@ -46,7 +46,7 @@ def test_greedy_output_equals_target_only_for_every_k(pair, kind, batch_size):
     expected = reference(target, prompts, params)
     accepted = 0
     for k in STEPS:
-        engine = Engine(target, make_drafter(kind, draft, batch_size), batch_size, MAX_SEQ_LEN, STEPS, initial_steps=k)
+        engine = Engine(target, make_drafter(kind, draft, batch_size), batch_size, MAX_SEQ_LEN, STEPS, initial_k=k)
         requests = [Request(tuple(p), params) for p in prompts]
         outputs = engine.run_until_done(requests)
         assert [outputs[r.id] for r in requests] == expected, f"k={k}"
@@ -228,7 +228,7 @@ def test_state_for_a_new_k_is_built_between_rounds_and_selected_at_a_boundary(pa
     engine = Engine(target, DraftModelDrafter(draft, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [1, 3])
     assert sorted(engine.states) == [1, 3]
     assert all(s.build_seconds > 0 for s in engine.states.values())
-    with pytest.raises(KeyError, match="no runtime state for step count 4"):
+    with pytest.raises(KeyError, match="no runtime state for draft length 4"):
         engine.select(4)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     request = Request(tuple(PROMPTS[0]), params)
@@ -349,7 +349,7 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match_as_the_con
 def test_the_ngram_drafter_forgets_a_sequence_that_left(pair):
     target, _ = pair
     drafter = NgramDrafter(1, 3)
-    engine = Engine(target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_steps=3)
+    engine = Engine(target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_k=3)
     engine.run_until_done([Request(tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS])
     assert drafter.indexes == {}
 
@@ -375,7 +375,7 @@ def test_an_int8_draft_of_a_bfloat16_checkpoint_drafts_into_a_cache_of_its_own_d
     bf16_target, bf16_draft = (load_checkpoint(c.path, dtype="bfloat16") for c in (target, draft))
     drafter = DraftModelDrafter(bf16_draft, 2, MAX_SEQ_LEN, quantize=True)
     assert drafter.cache.k[0].dtype == torch.float32  # the int8 layers compute in float32
-    engine = Engine(bf16_target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_steps=3)
+    engine = Engine(bf16_target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_k=3)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
     outputs = engine.run_until_done(requests)
@@ -456,7 +456,7 @@ def test_a_repeated_request_drafts_what_the_first_one_wrote_and_stays_lossless(p
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     expected = reference(target, PROMPTS, params)
     drafter = HybridDrafter(draft, 4, MAX_SEQ_LEN, min_n=1, max_n=3, history=4096)
-    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, STEPS, initial_steps=7)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, STEPS, initial_k=7)
     rounds = []
     for _ in range(2):
         requests = [Request(tuple(p), params) for p in PROMPTS]

@@ -24,10 +24,10 @@ from engine.policy.params import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
 from engine.policy.slots import STRATEGIES, SlottedPolicy
 
 
-def make_policy(params: PolicyParams, initial_steps: int | None = None) -> Policy:
+def make_policy(params: PolicyParams, initial_k: int | None = None) -> Policy:
     if params.slots:
-        return SlottedPolicy(params, initial_steps)
-    return STRATEGIES[params.strategy](params, initial_steps)
+        return SlottedPolicy(params, initial_k)
+    return STRATEGIES[params.strategy](params, initial_k)
 
 
 __all__ = [

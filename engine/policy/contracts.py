@@ -38,7 +38,7 @@ class Observation:
 
 @dataclass(frozen=True)
 class Decision:
-    steps: int
+    k: int
     reason: str  # "up", "down", "probe", "measured", "batch", "slot"
     ema: float
 
@@ -47,14 +47,14 @@ class Policy(Protocol):
     params: PolicyParams
 
     @property
-    def steps(self) -> int: ...
+    def k(self) -> int: ...
 
     @property
     def ema(self) -> float: ...
 
     def observe(self, observation: Observation) -> Decision | None: ...
 
-    def set_steps(self, k: int) -> None: ...
+    def set_k(self, k: int) -> None: ...
 
     def update_params(self, params: PolicyParams) -> None: ...
 

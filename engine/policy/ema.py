@@ -1,4 +1,4 @@
-"""SGLang's adaptive step count: a ladder over an EMA of accepted drafts."""
+"""SGLang's adaptive draft length: a ladder over an EMA of accepted drafts."""
 
 from __future__ import annotations
 
@@ -23,21 +23,21 @@ class EmaPolicy(Schedule):
     new candidate list snaps the current k onto it and keeps the EMA.
     """
 
-    def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
-        super().__init__(params, initial_steps, candidates)
-        self._ema = float(max(self._steps - 1, 0))
+    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
+        super().__init__(params, initial_k, candidates)
+        self._ema = float(max(self._k - 1, 0))
 
     @property
     def ema(self) -> float:
         return self._ema
 
     def learn(self, observation: Observation) -> None:
-        if self._steps == 0:
+        if self._k == 0:
             return  # nothing was drafted: the EMA stays where it was
         mean = sum(observation.accepted) / len(observation.accepted)
         self._ema = (1 - self.params.ema_alpha) * self._ema + self.params.ema_alpha * mean
 
-    def probe_steps(self) -> int:
+    def probe_k(self) -> int:
         k = self.candidates[1]
         # Give the probe a fair hearing: start it as if it had just accepted half its drafts.
         self._ema = max(self._ema, k / 2)
@@ -45,7 +45,7 @@ class EmaPolicy(Schedule):
 
     def decide(self, observation: Observation) -> Decision | None:
         c, p = self.candidates, self.params
-        start = i = c.index(self._steps)
+        start = i = c.index(self._k)
         while i > 0 and self._ema <= _drop_threshold(c[i - 1]) + p.down_hysteresis:
             i -= 1
         if i == start:

@@ -43,11 +43,11 @@ class MeasuredPolicy(Schedule):
     round's own work and the machine are all in the measurement.
     """
 
-    def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
-        ladder = sorted(candidates if candidates is not None else params.candidate_steps)
+    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
+        ladder = sorted(candidates if candidates is not None else params.candidate_k)
         # From the middle of the ladder, the fastest k is at most half of it away.
         middle = ladder[(len(ladder) - 1) // 2]
-        super().__init__(params, initial_steps if initial_steps is not None else middle, candidates)
+        super().__init__(params, initial_k if initial_k is not None else middle, candidates)
         self.rounds = 0
         self.batch_size = 1
         # (k, batch size) -> the last WINDOW_ROUNDS rounds' (tokens, seconds), and the round last seen
@@ -63,7 +63,7 @@ class MeasuredPolicy(Schedule):
     @property
     def ema(self) -> float:
         """Accepted drafts per sequence and round of the current k's recent rounds."""
-        window = self.windows.get((self._steps, self.batch_size))
+        window = self.windows.get((self._k, self.batch_size))
         if window is None or not window[0]:
             return 0.0
         return sum(tokens for tokens, _ in window[0]) / (len(window[0]) * self.batch_size) - 1
@@ -99,7 +99,7 @@ class MeasuredPolicy(Schedule):
             self.learn(observation)
             self.batches = self.params.warmup_batches
             best = self._fastest(observation.batch_size)
-            return None if best is None or best == self._steps else self.move(best, "batch")
+            return None if best is None or best == self._k else self.move(best, "batch")
         return super().observe(observation)
 
     def _fastest(self, batch_size: int) -> int | None:
@@ -107,7 +107,7 @@ class MeasuredPolicy(Schedule):
         return max(rates, key=rates.__getitem__) if rates else None
 
     def decide(self, observation: Observation) -> Decision | None:
-        b, here = observation.batch_size, self._steps
+        b, here = observation.batch_size, self._k
         if self.probe_from is not None:
             return self._judge_try(b, tried=here, left=self.probe_from)
         for k in self._neighbours(here):
@@ -142,10 +142,10 @@ class MeasuredPolicy(Schedule):
         return self.candidates[max(i - 1, 0) : i] + self.candidates[i + 1 : i + 2]
 
     def move(self, k: int, reason: str) -> Decision:
-        self.moved = k != self._steps
+        self.moved = k != self._k
         return super().move(k, reason)
 
-    def set_steps(self, k: int) -> None:
-        super().set_steps(k)
+    def set_k(self, k: int) -> None:
+        super().set_k(k)
         self.probe_from = None
         self.moved = True

@@ -10,7 +10,7 @@ class BatchSlot:
     """Candidates used while the batch holds at least `min_batch_size` sequences."""
 
     min_batch_size: int
-    candidate_steps: tuple[int, ...]
+    candidate_k: tuple[int, ...]
 
 
 # Each strategy's candidates where none are configured: SGLang's for ema; for measured, which
@@ -21,7 +21,7 @@ DEFAULT_CANDIDATES = {"ema": (1, 3, 7), "measured": (0, 1, 2, 3, 5, 7)}
 @dataclass(frozen=True)
 class PolicyParams:
     strategy: str = "ema"  # "ema" or "measured"
-    candidate_steps: tuple[int, ...] = (1, 3, 7)
+    candidate_k: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.2
     warmup_batches: int = 10
     update_interval: int = 5
@@ -45,15 +45,15 @@ class PolicyParams:
         out = []
         if self.strategy not in DEFAULT_CANDIDATES:
             out.append(f"strategy must be one of {', '.join(DEFAULT_CANDIDATES)}, got {self.strategy!r}")
-        for name, steps in [("candidate_steps", self.candidate_steps)] + [
-            (f"slots[{i}].candidate_steps", s.candidate_steps) for i, s in enumerate(self.slots)
+        for name, ks in [("candidate_k", self.candidate_k)] + [
+            (f"slots[{i}].candidate_k", s.candidate_k) for i, s in enumerate(self.slots)
         ]:
-            if not steps:
+            if not ks:
                 out.append(f"{name} must not be empty")
-            elif any(k < 0 for k in steps):
-                out.append(f"{name} must hold step counts >= 0, got {list(steps)}")
-            elif len(set(steps)) != len(steps):
-                out.append(f"{name} has duplicates: {list(steps)}")
+            elif any(k < 0 for k in ks):
+                out.append(f"{name} must hold draft lengths >= 0, got {list(ks)}")
+            elif len(set(ks)) != len(ks):
+                out.append(f"{name} has duplicates: {list(ks)}")
         if not 0 < self.ema_alpha <= 1:
             out.append(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if self.warmup_batches < 0:
@@ -72,9 +72,9 @@ class PolicyParams:
         return out
 
     @property
-    def all_steps(self) -> tuple[int, ...]:
+    def all_k(self) -> tuple[int, ...]:
         """Every k any slot may choose: each needs a runtime state."""
-        steps = set(self.candidate_steps)
+        ks = set(self.candidate_k)
         for slot in self.slots:
-            steps.update(slot.candidate_steps)
-        return tuple(sorted(steps))
+            ks.update(slot.candidate_k)
+        return tuple(sorted(ks))

@@ -12,7 +12,7 @@ from engine.policy.params import PolicyParams
 class Schedule:
     """A strategy's clock. After `warmup_batches` non-empty rounds, every `update_interval`
     rounds, it asks the strategy's `decide`. At k = 0 nothing is drafted, so nothing is learnt:
-    after `probe_spacing` rounds there it moves to the strategy's `probe_steps` and decides again
+    after `probe_spacing` rounds there it moves to the strategy's `probe_k` and decides again
     one interval later. Empty rounds say nothing and are not counted. A new candidate list snaps
     the current k onto it; everything learnt is kept across parameter swaps."""
 
@@ -21,16 +21,16 @@ class Schedule:
     # Whether the first decision comes as the warm-up ends, or one interval later (SGLang's).
     decides_at_warmup_end = False
 
-    def __init__(self, params: PolicyParams, initial_steps: int | None = None, candidates: Seq[int] | None = None):
+    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
         self.params = params
-        self.candidates = sorted(candidates if candidates is not None else params.candidate_steps)
-        self._steps = snap(initial_steps if initial_steps is not None else self.candidates[-1], self.candidates)
+        self.candidates = sorted(candidates if candidates is not None else params.candidate_k)
+        self._k = snap(initial_k if initial_k is not None else self.candidates[-1], self.candidates)
         self.batches = 0  # rounds observed while drafting, towards warm-up and the next decision
         self.rounds_at_zero = 0
 
     @property
-    def steps(self) -> int:
-        return self._steps
+    def k(self) -> int:
+        return self._k
 
     @property
     def ema(self) -> float:
@@ -45,7 +45,7 @@ class Schedule:
     def learn(self, observation: Observation) -> None:
         """Take in a non-empty round, whatever its k."""
 
-    def probe_steps(self) -> int:
+    def probe_k(self) -> int:
         """The k to try after probe_spacing rounds at k = 0."""
         return self.candidates[1]
 
@@ -54,7 +54,7 @@ class Schedule:
         raise NotImplementedError
 
     def move(self, k: int, reason: str) -> Decision:
-        self._steps = k
+        self._k = k
         self.rounds_at_zero = 0
         return Decision(k, reason, self.ema)
 
@@ -62,12 +62,12 @@ class Schedule:
         if not observation.accepted:
             return None
         self.learn(observation)
-        if self._steps == 0 and self.blind_at_zero:
+        if self._k == 0 and self.blind_at_zero:
             self.rounds_at_zero += 1
             if self.rounds_at_zero < self.probe_spacing or len(self.candidates) == 1:
                 return None
             self.batches = self.params.warmup_batches  # the warm-up was done long ago
-            return self.move(self.probe_steps(), "probe")
+            return self.move(self.probe_k(), "probe")
         self.batches += 1
         after_warmup = self.batches - self.params.warmup_batches
         first = 0 if self.decides_at_warmup_end else 1
@@ -75,12 +75,12 @@ class Schedule:
             return None
         return self.decide(observation)
 
-    def set_steps(self, k: int) -> None:
-        self._steps = snap(k, self.candidates)
+    def set_k(self, k: int) -> None:
+        self._k = snap(k, self.candidates)
         self.rounds_at_zero = 0
 
     def update_params(self, params: PolicyParams) -> None:
-        current = self._steps
+        current = self._k
         self.params = params
-        self.candidates = sorted(params.candidate_steps)
-        self.set_steps(current)
+        self.candidates = sorted(params.candidate_k)
+        self.set_k(current)

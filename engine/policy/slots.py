@@ -15,24 +15,24 @@ STRATEGIES: dict[str, type[EmaPolicy] | type[MeasuredPolicy]] = {"ema": EmaPolic
 class SlottedPolicy:
     """One inner policy per batch-size slot; the slot is the largest min_batch_size <= batch."""
 
-    def __init__(self, params: PolicyParams, initial_steps: int | None = None):
+    def __init__(self, params: PolicyParams, initial_k: int | None = None):
         self.params = params
-        self.slots = self._build(params, initial_steps)
+        self.slots = self._build(params, initial_k)
         self.active = min(self.slots)
 
     @staticmethod
-    def _build(params: PolicyParams, initial_steps: int | None) -> dict[int, Policy]:
-        slots = {s.min_batch_size: s.candidate_steps for s in params.slots}
-        slots.setdefault(1, params.candidate_steps)
+    def _build(params: PolicyParams, initial_k: int | None) -> dict[int, Policy]:
+        slots = {s.min_batch_size: s.candidate_k for s in params.slots}
+        slots.setdefault(1, params.candidate_k)
         make = STRATEGIES[params.strategy]
-        return {size: make(params, initial_steps, steps) for size, steps in slots.items()}
+        return {size: make(params, initial_k, ks) for size, ks in slots.items()}
 
     def slot_for(self, batch_size: int) -> int:
         return max((s for s in self.slots if s <= max(batch_size, 1)), default=min(self.slots))
 
     @property
-    def steps(self) -> int:
-        return self.slots[self.active].steps
+    def k(self) -> int:
+        return self.slots[self.active].k
 
     @property
     def ema(self) -> float:
@@ -46,24 +46,24 @@ class SlottedPolicy:
         self.active = slot
         decision = self.slots[slot].observe(observation)
         if decision is None and moved:
-            return Decision(self.steps, "slot", self.ema)
+            return Decision(self.k, "slot", self.ema)
         return decision
 
-    def set_steps(self, k: int) -> None:
-        self.slots[self.active].set_steps(k)
+    def set_k(self, k: int) -> None:
+        self.slots[self.active].set_k(k)
 
     def update_params(self, params: PolicyParams) -> None:
         if params.strategy != self.params.strategy or {s.min_batch_size for s in params.slots} != {
             s.min_batch_size for s in self.params.slots
         }:
             # Another strategy or other slot boundaries: start afresh from the current k.
-            current = self.steps
+            current = self.k
             self.params = params
             self.slots = self._build(params, current)
             self.active = min(self.slots)
             return
         self.params = params
-        lists = {s.min_batch_size: s.candidate_steps for s in params.slots}
-        lists.setdefault(1, params.candidate_steps)
+        lists = {s.min_batch_size: s.candidate_k for s in params.slots}
+        lists.setdefault(1, params.candidate_k)
         for size, policy in self.slots.items():
-            policy.update_params(replace(params, candidate_steps=lists[size]))
+            policy.update_params(replace(params, candidate_k=lists[size]))
