@@ -329,11 +329,20 @@ _NO_OVERRIDES: Mapping[str, object] = MappingProxyType({})
 
 
 def effective(snapshot: ConfigSnapshot, overrides: Mapping[str, object] = _NO_OVERRIDES) -> dict[str, dict]:
-    """Every key's value and where it came from; `overrides` (admin pins) win and may name keys
-    outside the file's schema, such as "adaptive.pinned_k". Values are JSON-ready."""
-    out = {path: {"value": _shown(path, snapshot.get(path)), "source": snapshot.sources[path]} for path in key_paths()}
+    """Every key's value, where it came from, whether an edit applies live or at the next restart,
+    and what it means (the schema's words); `overrides` (admin pins) win and may name keys outside
+    the file's schema, such as "adaptive.pinned_k". Values are JSON-ready."""
+    out = {
+        path: {
+            "value": _shown(path, snapshot.get(path)),
+            "source": snapshot.sources[path],
+            "applies": "live" if SCHEMA[path.split(".", 1)[0]].live else "at restart",
+            "doc": _key(path).doc,
+        }
+        for path in key_paths()
+    }
     for path, value in overrides.items():
-        out[path] = {"value": _plain(value), "source": "admin"}
+        out[path] = {**out.get(path, {}), "value": _plain(value), "source": "admin"}
     return out
 
 

@@ -37,5 +37,5 @@ def test_a_key_file_that_cannot_serve_is_a_config_error(tmp_path):
 def test_the_effective_config_hides_the_key(tmp_path):
     snapshot = load_config(write(tmp_path, '[server]\napi_key = "sk-secret"\n'))
     shown = effective(snapshot)
-    assert shown["server.api_key"] == {"value": "<hidden>", "source": "file"}
+    assert shown["server.api_key"]["value"] == "<hidden>" and shown["server.api_key"]["source"] == "file"
     assert "sk-secret" not in repr(shown)

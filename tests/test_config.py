@@ -48,7 +48,7 @@ def test_shipped_config_parses_and_holds_the_defaults():
     shipped = load_config(SHIPPED)
     defaults = parse_config(DEFAULTS_ONLY, path=SHIPPED)
     assert effective(shipped) == {
-        path: {"value": entry["value"], "source": shipped.sources[path]} for path, entry in effective(defaults).items()
+        path: {**entry, "source": shipped.sources[path]} for path, entry in effective(defaults).items()
     }
     assert shipped.engine.target == ROOT / "models" / "target"
 
@@ -417,12 +417,16 @@ def test_diff_classifies_live_and_restart_changes():
 
 def test_effective_marks_admin_overrides():
     snapshot = parse_config("[adaptive]\nstrategy = 'ema'\n")
-    table = effective(snapshot, {"adaptive.pinned_k": 3, "adaptive.ema_alpha": 0.5})
+    full = effective(snapshot, {"adaptive.pinned_k": 3, "adaptive.ema_alpha": 0.5})
+    table = {path: {"value": e["value"], "source": e["source"]} for path, e in full.items()}
     assert table["adaptive.strategy"] == {"value": "ema", "source": "file"}
     assert table["adaptive.candidate_k"] == {"value": [1, 3, 7], "source": "default"}  # ema's own
     assert table["adaptive.ema_alpha"] == {"value": 0.5, "source": "admin"}
     assert table["adaptive.pinned_k"] == {"value": 3, "source": "admin"}
     assert table["adaptive.initial_k"] == {"value": None, "source": "default"}
+    # Each key says what it means and when an edit applies, from the one schema.
+    assert full["adaptive.ema_alpha"]["applies"] == "live" and "EMA" in full["adaptive.ema_alpha"]["doc"]
+    assert full["engine.max_batch_size"]["applies"] == "at restart" and full["engine.max_batch_size"]["doc"]
     assert isinstance(table["engine.target"]["value"], str)
     assert set(table) == set(key_paths()) | {"adaptive.pinned_k"}
 
