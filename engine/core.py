@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from engine.backend import Backend, backend_for
 from engine.checkpoint import Checkpoint
@@ -82,6 +83,14 @@ class StepResult:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+
+
+def rows(hidden: dict[int, Tensor], keep: list[int]) -> dict[int, Tensor]:
+    """The captured hidden states of the batch rows `keep`, in that order."""
+    if not hidden:
+        return hidden
+    index = torch.tensor(keep, dtype=torch.long, device=next(iter(hidden.values())).device)
+    return {layer: h.index_select(0, index) for layer, h in hidden.items()}
 
 
 class Engine:
@@ -316,8 +325,8 @@ class Engine:
             )
             accepted.append(kept)
         if self.drafter is not None:
-            live = [(s, a) for s, a in zip(seqs, accepted) if s.finish_reason is None]
-            self.drafter.accept([s for s, _ in live], [a for _, a in live], hidden)
+            live = [row for row, s in enumerate(seqs) if s.finish_reason is None]
+            self.drafter.accept([seqs[row] for row in live], [accepted[row] for row in live], rows(hidden, live))
 
     def _append(self, seq: Sequence, tokens: Seq[int]) -> list[int]:
         """Emit tokens one by one, stopping exactly where target-only decoding would."""
@@ -351,13 +360,16 @@ class Engine:
         if not admitted:
             return
         batch = self.model.batch(self.cache, [s.slot for s in admitted], [s.tokens for s in admitted])
-        logits = self.model(batch, self.cache, last_only=True).logits[:, -1]
+        capture = self.drafter.capture_layers if self.drafter is not None else ()
+        out = self.model(batch, self.cache, last_only=True, capture=capture)
+        logits = out.logits[:, -1]
         for row, seq in enumerate(admitted):
             new = self._append(seq, [next_token(logits[row], seq.params, seq.generator)])
             outputs[seq.request.id] = SequenceOutput(seq.request.id, new, seq.finish_reason, 0, 0, verified=False)
         self.running.extend(admitted)
         if self.drafter is not None:
-            self.drafter.admit([s for s in admitted if s.finish_reason is None])
+            live = [row for row, s in enumerate(admitted) if s.finish_reason is None]
+            self.drafter.admit([admitted[row] for row in live], rows(out.hidden, live))
 
     def _apply_cancellations(self, outputs: dict[str, SequenceOutput]) -> None:
         cancelled, self.cancelled = self.cancelled, set()

@@ -2,7 +2,8 @@
 
 Every drafter follows the same protocol, so the engine never asks which one it holds:
 
-- `admit(seqs)`: new sequences joined (their prompts are in `seq.tokens`);
+- `admit(seqs, hidden)`: new sequences joined (their prompts are in `seq.tokens`; `hidden` holds
+  the prefill's hidden states at `capture_layers`, a row per sequence);
 - `propose(seqs, ks)`: up to `ks[i]` draft tokens for sequence i, with the drafter's
   probabilities for each (None means the proposal is deterministic: a one-hot distribution);
 - `accept(seqs, accepted, hidden)`: after verification, `accepted[i]` drafts of sequence i were
@@ -42,7 +43,7 @@ class Drafter(Protocol):
     name: str
     capture_layers: tuple[int, ...]
 
-    def admit(self, seqs: Seq[Sequence]) -> None: ...
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None: ...
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]: ...
 
@@ -105,7 +106,7 @@ class DraftModelDrafter:
         # Decode-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: GraphSet | None = None
 
-    def admit(self, seqs: Seq[Sequence]) -> None:
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         # The prompt is fed at the first proposal, with whatever else the cache lacks: a request
         # served at k = 0 throughout never runs the draft model.
         for seq in seqs:
@@ -296,7 +297,7 @@ class NgramDrafter:
         self.indexes: dict[Sequence, NgramIndex] = {}
         self.history = LookupHistory(history) if history > 0 else None
 
-    def admit(self, seqs: Seq[Sequence]) -> None:
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         for seq in seqs:
             self.indexes[seq] = NgramIndex(self.min_n, self.max_n)
 
@@ -350,7 +351,7 @@ class HybridDrafter(DraftModelDrafter):
         super().__init__(draft, max_batch_size, max_seq_len, quantize)
         self.lookups = NgramDrafter(min_n, max_n, history)
 
-    def admit(self, seqs: Seq[Sequence]) -> None:
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         super().admit(seqs)
         self.lookups.admit(seqs)
 

@@ -95,6 +95,17 @@ def pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    """A target over 8 tokens and a draft far from it: sampled outputs can be checked exactly."""
+    from engine.checkpoint import load_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_vocab")
+    target_dir = save_tiny(tiny_hf_model("qwen2", vocab_size=8, initializer_range=0.3), root / "target")
+    draft_dir = perturbed_copy(target_dir, root / "draft", scale=1.0)
+    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
+
+
+@pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """A tiny Llama with a vocabulary of 64, loaded from safetensors."""
     from engine.checkpoint import load_checkpoint

@@ -18,7 +18,7 @@ from engine.generate import generate
 from engine.model import ForwardBatch
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams, target_probs
-from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model, tiny_pair
+from tests.conftest import tiny_pair
 
 STEPS = (0, 1, 2, 3, 5, 7)
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 9, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 8, 9], [20, 21]]
@@ -152,14 +152,6 @@ def test_caches_after_rollback_equal_a_fresh_prefill(pair, kind):
             torch.testing.assert_close(keys, fresh_keys, atol=1e-5, rtol=0)
             torch.testing.assert_close(cache.v[:, slot, :length], fresh.v[:, fresh_slot, :length], atol=1e-5, rtol=0)
         assert engine.cache.lengths[seq.slot] == len(seq.tokens) - 1
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_vocab")
-    target_dir = save_tiny(tiny_hf_model("qwen2", vocab_size=8, initializer_range=0.3), root / "target")
-    draft_dir = perturbed_copy(target_dir, root / "draft", scale=1.0)
-    return load_checkpoint(target_dir), load_checkpoint(draft_dir)
 
 
 def exact_marginals(target, prompt, params, positions: int) -> list[torch.Tensor]:

@@ -1,0 +1,328 @@
+"""DFlash: a block drafter that proposes every token of a block in one forward pass.
+
+The target's hidden states at a few layers (the taps) are concatenated, projected to the hidden
+size and normed: the context features. Every draft layer turns them into keys and values (with
+its k-norm, and RoPE at their true positions), kept per sequence in the drafter's own cache as
+the target accepts tokens, and rolled back with it. A draft is one forward of the block
+[last accepted token, mask x (B-1)] whose queries see the whole context and the whole block
+(no causal mask inside the block); the outputs at block positions 1..k are the drafts. The
+newest token has no target hidden state yet, so the context lags it by one. The embedding and
+the LM head are the target's.
+
+The checkpoint is a directory: config.json (z-lab's keys: block_size, dflash_config with
+target_layer_ids and mask_token_id, and the shape of the draft layers) and model.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from engine.config import CheckpointError
+from engine.drafters import Proposal
+from engine.kv_cache import KVCache
+from engine.model import RMSNorm, Transformer, apply_rope
+from engine.request import Sequence
+from engine.sampling import sample, target_probs
+
+
+def default_taps(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """`count` taps spread evenly from layer 1 to layer L-3 (a tap is the output of that layer)."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    first, last = 1, num_target_layers - 3
+    if last <= first:  # a target too shallow for the rule: spread over all its layers
+        first, last = 0, num_target_layers - 1
+    return tuple(round(first + (last - first) * i / (count - 1)) for i in range(count))
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    target: str = ""  # the name of the target it was trained for
+
+    def to_json(self) -> dict:
+        shape = {k: v for k, v in asdict(self).items() if k not in ("target_layer_ids", "mask_token_id", "num_layers")}
+        return {
+            "architectures": ["DFlashDraftModel"],
+            **shape,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict, source: str = "config.json") -> DFlashConfig:
+        try:
+            dflash = raw["dflash_config"]
+            return cls(
+                hidden_size=int(raw["hidden_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=int(raw["num_attention_heads"]),
+                num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"])),
+                intermediate_size=int(raw["intermediate_size"]),
+                vocab_size=int(raw["vocab_size"]),
+                block_size=int(raw["block_size"]),
+                target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+                mask_token_id=int(dflash["mask_token_id"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                target=str(raw.get("target", "")),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of `x` ([..., T, H]) at the positions `cos` and `sin` were made for."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
+        return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, context_k: Tensor, context_v: Tensor, mask: Tensor
+    ) -> Tensor:
+        """x: the block [B, S, H]; context_k/v: [B, C, kv_heads, D]; mask: [B, 1, S, C + S]."""
+        h = self.input_layernorm(x)
+        q = apply_rope(self.q_norm(self.q_proj(h).unflatten(-1, (self.heads, self.head_dim))), cos, sin)
+        k, v = self.keys_values(h, cos, sin)
+        keys = torch.cat((context_k, k), dim=1).transpose(1, 2)
+        values = torch.cat((context_v, v), dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(out.transpose(1, 2).flatten(-2))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashModel(nn.Module):
+    """The draft layers; the embedding and the LM head come from the target at each call."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        half = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+        self.register_buffer("inv_freq", 1.0 / config.rope_theta**half, persistent=False)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin for `positions` (any shape), with a heads axis before the last."""
+        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
+        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+        sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # apply_rope's rotate_half, folded in
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+    def features(self, taps: Seq[Tensor]) -> Tensor:
+        """The context features of the target's tapped hidden states ([..., H] each)."""
+        return self.hidden_norm(self.fc(torch.cat(list(taps), dim=-1)))
+
+    def forward(
+        self,
+        block: Tensor,
+        positions: Tensor,
+        context_k: Seq[Tensor],
+        context_v: Seq[Tensor],
+        context_len: Tensor,
+        target: Transformer,
+    ) -> Tensor:
+        """Logits of every block position [B, S, V]. block: token ids [B, S]; positions [B, S];
+        context_k/v: per layer [B, C, kv_heads, D], of which the first context_len[b] count."""
+        x = target.embed_tokens(block).to(self.fc.weight.dtype)
+        cos, sin = self.rope(positions)
+        batch, size = block.shape
+        width = context_k[0].shape[1]
+        visible = torch.arange(width, device=block.device)[None, :] < context_len[:, None]  # [B, C]
+        mask = torch.cat((visible, torch.ones(batch, size, dtype=torch.bool, device=block.device)), dim=1)
+        mask = mask[:, None, None, :].expand(batch, 1, size, width + size)
+        for layer, k, v in zip(self.layers, context_k, context_v):
+            x = layer(x, cos, sin, k, v, mask)
+        return target.lm_head(self.norm(x).to(target.lm_head.weight.dtype))
+
+
+def check_against_target(config: DFlashConfig, target: Transformer, where: str) -> None:
+    """Raise CheckpointError naming each way a drafter does not fit its target."""
+    tc = target.config
+    problems = []
+    if config.hidden_size != tc.hidden_size:
+        problems.append(f"hidden size {config.hidden_size}, the target's {tc.hidden_size}")
+    if config.vocab_size != tc.vocab_size:
+        problems.append(f"vocabulary of {config.vocab_size}, the target's {tc.vocab_size}")
+    outside = [i for i in config.target_layer_ids if not 0 <= i < tc.num_layers]
+    if outside:
+        problems.append(f"taps {outside} outside the target's layers 0..{tc.num_layers - 1}")
+    if not 0 <= config.mask_token_id < tc.vocab_size:
+        problems.append(f"mask token id {config.mask_token_id} outside the vocabulary (0..{tc.vocab_size - 1})")
+    if config.block_size < 2:
+        problems.append(f"block size {config.block_size} (needs at least 2)")
+    if problems:
+        raise CheckpointError(f"{where}: does not fit the target: " + "; ".join(problems))
+
+
+def save_dflash(model: DFlashModel, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+
+
+def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
+    path = Path(path)
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_file}: not found (a DFlash checkpoint is a directory)") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: invalid JSON ({err})") from None
+    config = DFlashConfig.from_json(raw, str(config_file))
+    check_against_target(config, target, str(path))
+    model = DFlashModel(config)
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: not found")
+    state = load_file(str(weights))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"{weights}: {what}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{weights}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state)
+    device = target.embed_tokens.weight.device
+    return (
+        model.to(device=device, dtype=torch.float32 if device.type == "cpu" else target.embed_tokens.weight.dtype)
+        .eval()
+        .requires_grad_(False)
+    )
+
+
+class DFlashDrafter:
+    """The drafter protocol (engine/drafters.py) over a DFlash model and its context cache."""
+
+    name = "dflash"
+
+    def __init__(self, model: DFlashModel, target: Transformer, max_batch_size: int, max_seq_len: int) -> None:
+        self.model = model
+        self.target = target
+        self.config = model.config
+        self.capture_layers: tuple[int, ...] = self.config.target_layer_ids
+        param = model.fc.weight
+        # One "layer" of the cache per draft layer: the context keys and values it attends to.
+        self.cache = KVCache(
+            self.config.num_layers,
+            max_batch_size,
+            max_seq_len,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        self.max_k = self.config.block_size - 1
+
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
+        """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
+        for row, seq in enumerate(seqs):
+            seq.draft_slot = self.cache.allocate()
+            if hidden is not None:
+                prompt = len(seq.tokens) - 1  # every token but the newest went through the target
+                self._extend(seq, [hidden[i][row, :prompt] for i in self.capture_layers])
+
+    @torch.inference_mode()
+    def _extend(self, seq: Sequence, taps: Seq[Tensor]) -> None:
+        """Append the context features of `taps` ([n, H] each) at the next positions."""
+        slot = seq.draft_slot
+        start, count = self.cache.lengths[slot], taps[0].shape[0]
+        if count == 0:
+            return
+        features = self.model.features([t.to(self.model.fc.weight.dtype) for t in taps])
+        cos, sin = self.model.rope(torch.arange(start, start + count, device=features.device))
+        for i, layer in enumerate(self.model.layers):
+            k, v = layer.keys_values(features, cos, sin)
+            self.cache.k[i, slot, start : start + count] = k
+            self.cache.v[i, slot, start : start + count] = v
+        self.cache.lengths[slot] = start + count
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        if not rows:
+            return proposals
+        size = self.config.block_size
+        device = self.model.fc.weight.device
+        slots = [seqs[i].draft_slot for i in rows]
+        lengths = torch.tensor([self.cache.lengths[s] for s in slots], device=device)
+        width = int(lengths.max())
+        block = torch.full((len(rows), size), self.config.mask_token_id, dtype=torch.long, device=device)
+        block[:, 0] = torch.tensor([seqs[i].tokens[-1] for i in rows], device=device)
+        positions = lengths[:, None] + torch.arange(size, device=device)[None, :]
+        index = torch.tensor(slots, device=device)
+        context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
+        context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
+        logits = self.model(block, positions, context_k, context_v, lengths, self.target)
+        for row, i in enumerate(rows):
+            seq, k = seqs[i], min(ks[i], self.max_k)
+            drafted = logits[row, 1 : k + 1]
+            if seq.params.greedy:
+                proposals[i].tokens = drafted.argmax(dim=-1).tolist()
+            else:
+                q = target_probs(drafted, seq.params)
+                proposals[i].tokens = [sample(q[j], seq.generator) for j in range(k)]
+                proposals[i].probs = q
+        return proposals
+
+    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
+        """The verify forward's tapped hidden states (rows in `seqs`' order) of the pending token and
+        the kept drafts become context; whatever the cache held beyond is rolled back."""
+        for row, (seq, kept) in enumerate(zip(seqs, accepted)):
+            confirmed = len(seq.tokens) - 1 - (kept + 1)  # context before this round's verified tokens
+            self.cache.truncate(seq.draft_slot, min(self.cache.lengths[seq.draft_slot], confirmed))
+            if self.cache.lengths[seq.draft_slot] == confirmed:
+                self._extend(seq, [hidden[i][row, : kept + 1] for i in self.capture_layers])
+
+    def release(self, seq: Sequence) -> None:
+        if seq.draft_slot is not None:
+            self.cache.release(seq.draft_slot)
+            seq.draft_slot = None

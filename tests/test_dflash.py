@@ -1,0 +1,176 @@
+"""The DFlash block drafter: lossless at every k and under switching, its context cache in step with
+the target, its checkpoint checked against the target."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine.config import CheckpointError
+from engine.core import Engine
+from engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_taps, load_dflash, save_dflash
+from engine.generate import generate
+from engine.request import Request
+from engine.sampling import SamplingParams
+from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginals, exact_marginals
+
+BLOCK = 6
+
+
+def dflash_for(target, block_size: int = BLOCK, seed: int = 0) -> DFlashModel:
+    """An untrained drafter shaped for `target`: its drafts are mostly wrong, which is what the
+    losslessness tests need (every kind of rejection happens)."""
+    tc = target.config
+    config = DFlashConfig(
+        hidden_size=tc.hidden_size,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=tc.vocab_size,
+        block_size=block_size,
+        target_layer_ids=default_taps(tc.num_layers, 2),
+        mask_token_id=tc.vocab_size - 1,
+    )
+    torch.manual_seed(seed)
+    return DFlashModel(config).eval().requires_grad_(False)
+
+
+def engine_for(target, batch: int, ks=(0, 1, 2, 3, 5), initial: int | None = None) -> Engine:
+    drafter = DFlashDrafter(dflash_for(target.model), target.model, batch, MAX_SEQ_LEN)
+    return Engine(target, drafter, batch, MAX_SEQ_LEN, ks, initial_k=initial)
+
+
+def test_taps_spread_from_layer_1_to_l_minus_3():
+    assert default_taps(8, 2) == (1, 5) and default_taps(8, 3) == (1, 3, 5)
+    assert default_taps(36, 5) == (1, 9, 17, 25, 33)
+    assert all(0 <= t < 2 for t in default_taps(2, 2))  # a tiny target: every tap inside it
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_target_only_for_every_k(pair, batch):
+    target, _ = pair
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS[:batch]
+    expected = [c.tokens for c in generate(target, prompts, params)]
+    for k in (0, 1, 2, 3, 5):
+        engine = engine_for(target, batch, (k,), k)
+        requests = [Request(tuple(p), params) for p in prompts]
+        outputs = engine.run_until_done(requests)
+        assert [outputs[r.id] for r in requests] == expected, f"k={k}"
+        if k:
+            assert engine.state.stats.drafts_proposed > 0
+
+
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair):
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    engine = engine_for(target, 4)
+    rng = random.Random(0)
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    outputs = {r.id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work:
+        engine.select(rng.choice([0, 1, 2, 3, 5]))
+        for out in engine.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == expected
+
+
+def test_the_context_cache_follows_the_target_and_rolls_back_exactly(pair):
+    """After rounds of drafting and rejection, the drafter's context keys and values equal those
+    built fresh from the target's own forward over the same tokens."""
+    target, _ = pair
+    engine = engine_for(target, 1, (3,), 3)
+    request = Request(tuple(PROMPTS[2]), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request(request)
+    for _ in range(4):
+        engine.step()
+    (seq,) = engine.running
+    drafter: DFlashDrafter = engine.drafter  # type: ignore[assignment]
+    length = drafter.cache.lengths[seq.draft_slot]
+    assert length == len(seq.tokens) - 1  # the context lags the newest token by one
+
+    fresh_cache = target.model.new_cache(1, MAX_SEQ_LEN)
+    slot = fresh_cache.allocate()
+    batch = target.model.batch(fresh_cache, [slot], [seq.tokens[:-1]])
+    taps = target.model(batch, fresh_cache, capture=drafter.capture_layers).hidden
+    fresh = DFlashDrafter(drafter.model, target.model, 1, MAX_SEQ_LEN)
+    twin = type(seq)(request, slot=0, generator=None, tokens=list(seq.tokens))
+    fresh.admit([twin], taps)
+    for layer in range(drafter.config.num_layers):
+        built = drafter.cache.k[layer, seq.draft_slot, :length]
+        assert torch.allclose(built, fresh.cache.k[layer, twin.draft_slot, :length], atol=1e-4)
+        assert torch.allclose(
+            drafter.cache.v[layer, seq.draft_slot, :length], fresh.cache.v[layer, 0, :length], atol=1e-4
+        )
+
+
+def test_tapped_hidden_states_are_the_layer_outputs_of_the_full_forward(pair):
+    """A tap is the output of its layer: what transformers calls hidden_states[i + 1]."""
+    import transformers
+
+    target, _ = pair
+    reference = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval()
+    tokens = PROMPTS[2]
+    with torch.no_grad():
+        states = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    cache = target.model.new_cache(1, MAX_SEQ_LEN)
+    slot = cache.allocate()
+    hidden = target.model(target.model.batch(cache, [slot], [tokens]), cache, capture=(0, 1)).hidden
+    assert torch.allclose(hidden[0][0, : len(tokens)], states[1][0], atol=1e-4)
+
+
+@pytest.mark.parametrize("verification", ["block", "token"])
+def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification):
+    target, _ = tiny_vocab_pair
+    prompt = tuple(range(8)) * 2
+    base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    with torch.inference_mode():
+        marginals = exact_marginals(target, prompt, base, 3)
+    drafter = DFlashDrafter(dflash_for(target.model, block_size=4), target.model, 16, 32)
+    engine = Engine(target, drafter, 16, 32, [2], verification=verification)
+    requests = [
+        Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
+        for s in range(1500)
+    ]
+    outputs = engine.run_until_done(requests)
+    assert engine.state.stats.drafts_proposed > 0
+    assert_follows_marginals(outputs, requests, marginals)
+
+
+def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
+    target, _ = pair
+    model = dflash_for(target.model)
+    save_dflash(model, tmp_path / "dflash")
+    raw = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert raw["block_size"] == BLOCK and raw["dflash_config"]["target_layer_ids"] == list(
+        model.config.target_layer_ids
+    )
+    loaded = load_dflash(tmp_path / "dflash", target.model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name])
+
+    def broken(name: str, edit) -> str:
+        bad = tmp_path / name
+        save_dflash(model, bad)
+        edited = json.loads(json.dumps(raw))
+        edit(edited)
+        (bad / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(CheckpointError) as caught:
+            load_dflash(bad, target.model)
+        return str(caught.value)
+
+    assert "hidden size 32" in broken("hidden", lambda c: c.update(hidden_size=32))
+    assert "vocabulary of 10" in broken("vocab", lambda c: c.update(vocab_size=10))
+    assert "taps [7] outside" in broken("taps", lambda c: c["dflash_config"].update(target_layer_ids=[0, 7]))
+    assert "mask token id 999" in broken("mask", lambda c: c["dflash_config"].update(mask_token_id=999))
+    assert "not a DFlash config" in broken("plain", lambda c: c.pop("dflash_config"))
+    with pytest.raises(CheckpointError, match="not found"):
+        load_dflash(tmp_path / "nowhere", target.model)
