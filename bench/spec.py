@@ -51,7 +51,7 @@ from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-DRAFTERS = ("draft_model", "hybrid", "ngram", "none")
+DRAFTERS = ("draft_model", "hybrid", "ngram", "dflash", "none")
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,11 @@ def build_controller(
 
 
 ENGINE_OVERRIDES = ("verification", "drafter")
+
+
+def drafters_of(modes: list[str]) -> set[str]:
+    """The drafter kinds that modes name with +drafter=KIND (their models must be loaded)."""
+    return {part.split("=", 1)[1] for mode in modes for part in mode.split("+")[1:] if part.startswith("drafter=")}
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -460,7 +465,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--target", default=None, help="target checkpoint (default: config, or models/target)")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: config, or models/draft)")
-    parser.add_argument("--drafter", choices=["draft_model", "hybrid", "ngram"], default=None)
+    parser.add_argument("--drafter", choices=DRAFTERS[:-1], default=None)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2, help="runs of all the modes side by side; figures add up")
     parser.add_argument("--json", type=Path, default=None)
@@ -485,14 +490,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     snapshot = bench_snapshot(args)
-    models = load_models(snapshot)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    models = load_models(snapshot, kinds=drafters_of(modes))
     print(
         f"workload {args.workload} ({len(items)} requests), concurrency {args.concurrency}, "
         f"drafter {snapshot.engine.drafter}, candidates {list(snapshot.adaptive.policy.candidate_k)}",
         file=sys.stderr,
     )
     warm_up(snapshot, models, items, args.concurrency, args.max_seq_len)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     reports = run_modes(modes, items, snapshot, models, args.concurrency, args.max_seq_len, args.repeats)
     print_table(reports)
     if args.json:

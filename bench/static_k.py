@@ -26,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="models/target")
     parser.add_argument("--draft", default="models/draft")
+    parser.add_argument("--dflash", default="models/dflash", help="a DFlash drafter, compared where it exists")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1)
@@ -41,9 +42,11 @@ def main() -> None:
         draft=Path(args.draft),
         drafter="draft_model",
         draft_quantization="int8" if args.quantize else "none",
+        dflash=Path(args.dflash),
     )
     snapshot = replace(config, engine=engine)
-    models = load_models(snapshot)
+    kinds = ["draft_model", "ngram", "hybrid"] + (["dflash"] if (Path(args.dflash) / "config.json").exists() else [])
+    models = load_models(snapshot, kinds=kinds)
     tokenizer = models.target.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens)
     items = [WorkItem(p, params, "code", None) for p in code_prompts(args.prompts, args.seed)]
@@ -56,7 +59,7 @@ def main() -> None:
         none = run_mode(build_controller("none", snapshot, models, batch, max_seq_len), items, tokenizer, batch)
         base = none.tokens / none.seconds
         print(f"{batch:>5} {'-':<12} {'none':<9} {base:>8.1f} {'1.00x':>7} {'-':>9}")
-        for name in ("draft_model", "ngram", "hybrid"):
+        for name in kinds:
             for k in STEPS:
                 controller = build_controller(f"static:{k}+drafter={name}", snapshot, models, batch, max_seq_len)
                 r = run_mode(controller, items, tokenizer, batch)

@@ -24,7 +24,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench.spec import ROOT, bench_snapshot, plot, print_table, read_workload, run_modes, warm_up
+from bench.spec import DRAFTERS, ROOT, bench_snapshot, drafters_of, plot, print_table, read_workload, run_modes, warm_up
 from daemon.runtime import load_models
 
 SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--target", default=None)
     parser.add_argument("--draft", default=None)
-    parser.add_argument("--drafter", choices=["draft_model", "hybrid", "ngram"], default=None)
+    parser.add_argument("--drafter", choices=DRAFTERS[:-1], default=None)
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plots", type=Path, default=None, help="a folder for one k-and-throughput plot a run")
@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     if not files:
         raise SystemExit(f"{args.workloads}: no {pattern} workloads")
     snapshot = bench_snapshot(args)
-    models = load_models(snapshot)
-    warm_up(snapshot, models, read_workload(files[0]), 1, args.max_seq_len)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    models = load_models(snapshot, kinds=drafters_of(modes))
+    warm_up(snapshot, models, read_workload(files[0]), 1, args.max_seq_len)
     if args.plots:
         args.plots.mkdir(parents=True, exist_ok=True)
 

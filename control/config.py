@@ -22,7 +22,13 @@ from types import MappingProxyType
 from typing import Any
 
 from control.bounded import clip
-from engine.config import DRAFT_MODEL_KINDS, CheckpointError, inspect_checkpoint, tokenizer_vocabulary
+from engine.config import (
+    DRAFT_MODEL_KINDS,
+    CheckpointError,
+    inspect_checkpoint,
+    inspect_dflash,
+    tokenizer_vocabulary,
+)
 from engine.policy import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
 
 if sys.version_info >= (3, 11):
@@ -78,6 +84,7 @@ class EngineSettings:
     max_batch_size: int
     max_seq_len: int
     max_k: int
+    dflash: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -192,8 +199,9 @@ SCHEMA: Mapping[str, Section] = {
     "engine": Section(EngineSettings, live=False, doc="models, device and capacity", keys={
         "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
         "drafter": Key("str", "hybrid", "how drafts are proposed",
-                       choices=("draft_model", "hybrid", "ngram", "none")),
+                       choices=("draft_model", "hybrid", "ngram", "dflash", "none")),
         "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model or hybrid"),
+        "dflash": Key("path", "models/dflash", "DFlash block drafter directory, used when drafter = dflash"),
         "draft_quantization": Key(
             "str", "int8", "draft model linear layers: int8 (dynamic, CPU only) or none", choices=("int8", "none")
         ),
@@ -672,6 +680,12 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
             found[name] = (values[name], inspect_checkpoint(values[name]))
         except CheckpointError as err:
             issues.append(ConfigIssue(name, str(err)))
+    dflash = values.get("engine.dflash")
+    if values.get("engine.drafter") == "dflash" and "engine.target" in found and dflash is not None:
+        try:
+            inspect_dflash(dflash, found["engine.target"][1])
+        except CheckpointError as err:
+            issues.append(ConfigIssue("engine.dflash", str(err)))
     if len(found) == 2:
         (target, target_config), (draft, draft_config) = found["engine.target"], found["engine.draft"]
         same_vocabulary = tokenizer_vocabulary(draft) == tokenizer_vocabulary(target)

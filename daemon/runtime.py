@@ -4,7 +4,7 @@ way an engine is assembled, by the daemon, the benches and the tools alike."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -13,7 +13,8 @@ from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.config import DRAFT_MODEL_KINDS
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
-from engine.drafters import make_drafter
+from engine.dflash import DFlashDrafter, DFlashModel, load_dflash
+from engine.drafters import Drafter, make_drafter
 from engine.loop import EngineLoop, StepObserver
 
 # Wraps each slow phase of assembling an engine, named, so that start-up can report it.
@@ -30,6 +31,7 @@ class Models:
 
     target: Checkpoint
     draft: Checkpoint | None  # for the drafters that run a draft model
+    dflash: DFlashModel | None = None  # for the dflash drafter
 
 
 def required_k(snapshot: ConfigSnapshot) -> tuple[int, ...]:
@@ -42,13 +44,16 @@ def required_k(snapshot: ConfigSnapshot) -> tuple[int, ...]:
     return tuple(sorted(ks))
 
 
-def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported) -> Models:
+def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Collection[str] = ()) -> Models:
+    """The checkpoints the config's drafter needs, and those `kinds` of drafter need too (benches
+    that compare drafters)."""
     settings = snapshot.engine
+    kinds = {settings.drafter, *kinds}
     dtype = None if settings.dtype == "auto" else settings.dtype
     with phase(f"load target {settings.target}"):
         target = load_checkpoint(settings.target, settings.device, dtype)
     draft = None
-    if settings.drafter in DRAFT_MODEL_KINDS:
+    if kinds & set(DRAFT_MODEL_KINDS):
         with phase(f"load draft {settings.draft}"):
             draft = load_checkpoint(settings.draft, settings.device, dtype)
         if draft.config.vocab_size != target.config.vocab_size:
@@ -56,7 +61,11 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported) -> Models:
                 f"draft {settings.draft} has a vocabulary of {draft.config.vocab_size}, "
                 f"the target {target.config.vocab_size}: they must share a tokenizer"
             )
-    return Models(target, draft)
+    dflash = None
+    if "dflash" in kinds and settings.dflash is not None:
+        with phase(f"load dflash {settings.dflash}"):
+            dflash = load_dflash(settings.dflash, target.model)
+    return Models(target, draft, dflash)
 
 
 def build_controller(
@@ -73,8 +82,12 @@ def build_controller(
     settings = snapshot.engine
     batch = max_batch_size or settings.max_batch_size
     seq_len = max_seq_len or settings.max_seq_len
-    drafter = None
-    if settings.drafter != "none":
+    drafter: Drafter | None = None
+    if settings.drafter == "dflash":
+        if models.dflash is None:
+            raise ValueError(f"drafter dflash needs a DFlash checkpoint (engine.dflash = {settings.dflash})")
+        drafter = DFlashDrafter(models.dflash, models.target.model, batch, seq_len)
+    elif settings.drafter != "none":
         drafter = make_drafter(
             settings.drafter,
             models.draft,

@@ -7,7 +7,7 @@ optional parts are switched on (biases, q/k norms, sliding window).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +179,89 @@ def tokenizer_vocabulary(path: Path) -> dict[str, int] | None:
         return None
     vocab = model.get("vocab")
     return vocab if isinstance(vocab, dict) else None
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    target: str = ""  # the name of the target it was trained for
+
+    def to_json(self) -> dict:
+        shape = {k: v for k, v in asdict(self).items() if k not in ("target_layer_ids", "mask_token_id", "num_layers")}
+        return {
+            "architectures": ["DFlashDraftModel"],
+            **shape,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict, source: str = "config.json") -> DFlashConfig:
+        try:
+            dflash = raw["dflash_config"]
+            return cls(
+                hidden_size=int(raw["hidden_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=int(raw["num_attention_heads"]),
+                num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"])),
+                intermediate_size=int(raw["intermediate_size"]),
+                vocab_size=int(raw["vocab_size"]),
+                block_size=int(raw["block_size"]),
+                target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+                mask_token_id=int(dflash["mask_token_id"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                target=str(raw.get("target", "")),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None
+
+
+def dflash_problems(config: DFlashConfig, target: ModelConfig) -> list[str]:
+    """Each way a DFlash drafter does not fit a target, in words."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size}, the target's {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary of {config.vocab_size}, the target's {target.vocab_size}")
+    outside = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+    if outside:
+        problems.append(f"taps {outside} outside the target's layers 0..{target.num_layers - 1}")
+    if not 0 <= config.mask_token_id < target.vocab_size:
+        problems.append(f"mask token id {config.mask_token_id} outside the vocabulary (0..{target.vocab_size - 1})")
+    if config.block_size < 2:
+        problems.append(f"block size {config.block_size} (needs at least 2)")
+    return problems
+
+
+def inspect_dflash(path: Path, target: ModelConfig) -> DFlashConfig:
+    """A DFlash checkpoint directory's config, checked against the target, without its weights."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory")
+    if not (path / "model.safetensors").is_file():
+        raise CheckpointError(f"{path}: not a DFlash checkpoint, missing model.safetensors")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a DFlash checkpoint, missing config.json") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path / 'config.json'}: invalid JSON ({err})") from None
+    config = DFlashConfig.from_json(raw, str(path / "config.json"))
+    problems = dflash_problems(config, target)
+    if problems:
+        raise CheckpointError(f"{path}: does not fit the target: " + "; ".join(problems))
+    return config

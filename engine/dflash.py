@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from engine.config import CheckpointError
+from engine.config import CheckpointError, DFlashConfig, dflash_problems
 from engine.drafters import Proposal
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope
@@ -41,56 +40,6 @@ def default_taps(num_target_layers: int, count: int) -> tuple[int, ...]:
     if last <= first:  # a target too shallow for the rule: spread over all its layers
         first, last = 0, num_target_layers - 1
     return tuple(round(first + (last - first) * i / (count - 1)) for i in range(count))
-
-
-@dataclass(frozen=True)
-class DFlashConfig:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    target: str = ""  # the name of the target it was trained for
-
-    def to_json(self) -> dict:
-        shape = {k: v for k, v in asdict(self).items() if k not in ("target_layer_ids", "mask_token_id", "num_layers")}
-        return {
-            "architectures": ["DFlashDraftModel"],
-            **shape,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
-        }
-
-    @classmethod
-    def from_json(cls, raw: dict, source: str = "config.json") -> DFlashConfig:
-        try:
-            dflash = raw["dflash_config"]
-            return cls(
-                hidden_size=int(raw["hidden_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
-                num_heads=int(raw["num_attention_heads"]),
-                num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
-                head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"])),
-                intermediate_size=int(raw["intermediate_size"]),
-                vocab_size=int(raw["vocab_size"]),
-                block_size=int(raw["block_size"]),
-                target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
-                mask_token_id=int(dflash["mask_token_id"]),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
-                target=str(raw.get("target", "")),
-            )
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None
 
 
 class DraftLayer(nn.Module):
@@ -154,44 +103,45 @@ class DFlashModel(nn.Module):
         """The context features of the target's tapped hidden states ([..., H] each)."""
         return self.hidden_norm(self.fc(torch.cat(list(taps), dim=-1)))
 
+    def context(self, features: Tensor, positions: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Each draft layer's keys and values ([..., T, kv_heads, D]) of context features at `positions`."""
+        cos, sin = self.rope(positions)
+        pairs = [layer.keys_values(features, cos, sin) for layer in self.layers]
+        return [k for k, _ in pairs], [v for _, v in pairs]
+
     def forward(
         self,
         block: Tensor,
         positions: Tensor,
         context_k: Seq[Tensor],
         context_v: Seq[Tensor],
-        context_len: Tensor,
+        mask: Tensor,
         target: Transformer,
     ) -> Tensor:
         """Logits of every block position [B, S, V]. block: token ids [B, S]; positions [B, S];
-        context_k/v: per layer [B, C, kv_heads, D], of which the first context_len[b] count."""
+        context_k/v: per layer [B, C, kv_heads, D]; mask: which keys (context, then block) each
+        block position sees, [B, 1, S, C + S]."""
         x = target.embed_tokens(block).to(self.fc.weight.dtype)
         cos, sin = self.rope(positions)
-        batch, size = block.shape
-        width = context_k[0].shape[1]
-        visible = torch.arange(width, device=block.device)[None, :] < context_len[:, None]  # [B, C]
-        mask = torch.cat((visible, torch.ones(batch, size, dtype=torch.bool, device=block.device)), dim=1)
-        mask = mask[:, None, None, :].expand(batch, 1, size, width + size)
         for layer, k, v in zip(self.layers, context_k, context_v):
             x = layer(x, cos, sin, k, v, mask)
-        return target.lm_head(self.norm(x).to(target.lm_head.weight.dtype))
+        x = self.norm(x).to(target.lm_head.weight.dtype)
+        if torch.is_grad_enabled():  # training: a CPU target's packed head (Linear.pack) has no backward
+            return F.linear(x, target.lm_head.weight)
+        return target.lm_head(x)
+
+
+def block_mask(context_len: Tensor, width: int, size: int) -> Tensor:
+    """At inference: each of a block's `size` positions sees its sequence's first context_len[b]
+    context keys (of `width`) and the whole block. [B, 1, size, width + size]."""
+    batch = context_len.shape[0]
+    visible = torch.arange(width, device=context_len.device)[None, :] < context_len[:, None]
+    whole = torch.ones(batch, size, dtype=torch.bool, device=context_len.device)
+    return torch.cat((visible, whole), dim=1)[:, None, None, :].expand(batch, 1, size, width + size)
 
 
 def check_against_target(config: DFlashConfig, target: Transformer, where: str) -> None:
-    """Raise CheckpointError naming each way a drafter does not fit its target."""
-    tc = target.config
-    problems = []
-    if config.hidden_size != tc.hidden_size:
-        problems.append(f"hidden size {config.hidden_size}, the target's {tc.hidden_size}")
-    if config.vocab_size != tc.vocab_size:
-        problems.append(f"vocabulary of {config.vocab_size}, the target's {tc.vocab_size}")
-    outside = [i for i in config.target_layer_ids if not 0 <= i < tc.num_layers]
-    if outside:
-        problems.append(f"taps {outside} outside the target's layers 0..{tc.num_layers - 1}")
-    if not 0 <= config.mask_token_id < tc.vocab_size:
-        problems.append(f"mask token id {config.mask_token_id} outside the vocabulary (0..{tc.vocab_size - 1})")
-    if config.block_size < 2:
-        problems.append(f"block size {config.block_size} (needs at least 2)")
+    problems = dflash_problems(config, target.config)
     if problems:
         raise CheckpointError(f"{where}: does not fit the target: " + "; ".join(problems))
 
@@ -277,9 +227,8 @@ class DFlashDrafter:
         if count == 0:
             return
         features = self.model.features([t.to(self.model.fc.weight.dtype) for t in taps])
-        cos, sin = self.model.rope(torch.arange(start, start + count, device=features.device))
-        for i, layer in enumerate(self.model.layers):
-            k, v = layer.keys_values(features, cos, sin)
+        keys, values = self.model.context(features, torch.arange(start, start + count, device=features.device))
+        for i, (k, v) in enumerate(zip(keys, values)):
             self.cache.k[i, slot, start : start + count] = k
             self.cache.v[i, slot, start : start + count] = v
         self.cache.lengths[slot] = start + count
@@ -301,7 +250,8 @@ class DFlashDrafter:
         index = torch.tensor(slots, device=device)
         context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
         context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
-        logits = self.model(block, positions, context_k, context_v, lengths, self.target)
+        mask = block_mask(lengths, width, size)
+        logits = self.model(block, positions, context_k, context_v, mask, self.target)
         for row, i in enumerate(rows):
             seq, k = seqs[i], min(ks[i], self.max_k)
             drafted = logits[row, 1 : k + 1]

@@ -494,15 +494,22 @@ class Transformer(DerivedCopy, nn.Module):
                 hidden[i] = batch.unpack(x)
         return x, hidden
 
-    def forward_train(self, tokens: Tensor) -> Tensor:
+    def forward_train(self, tokens: Tensor, capture: Sequence[int] = ()) -> Tensor:
         """Causal forward over whole sequences without a cache; returns logits [B, T, V]."""
+        return self.train_layers(tokens, capture)[0]
+
+    def train_layers(self, tokens: Tensor, capture: Sequence[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """As `forward_train`, with the outputs of the layers in `capture` ([B, T, D] each)."""
         x = self.embed_tokens(tokens)
         seqlen = tokens.shape[1]
         cos = self.rope_cos[:seqlen].to(x.dtype)[None, :, None]
         sin = self.rope_sin[:seqlen].to(x.dtype)[None, :, None]
-        for layer in self.layers:
+        hidden: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None, None)
-        return self.lm_head(self.norm(x))
+            if i in capture:
+                hidden[i] = x
+        return self.lm_head(self.norm(x)), hidden
 
     def pack_linears(self) -> None:
         """Pack every linear weight for oneDNN (see `Linear`); for inference, after loading."""

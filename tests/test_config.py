@@ -216,7 +216,11 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ('[admin]\nmode = "rw-rw----"\n', "admin.mode", "octal digits"),
         ('[admin]\nmode = "04755"\n', "admin.mode", "octal digits"),
         ("[admin]\nmode = 0o600\n", "admin.mode", "got the integer 384"),
-        ('[engine]\ndrafter = "eagle"\n', "engine.drafter", "must be one of 'draft_model', 'hybrid', 'ngram', 'none'"),
+        (
+            '[engine]\ndrafter = "eagle"\n',
+            "engine.drafter",
+            "must be one of 'draft_model', 'hybrid', 'ngram', 'dflash', 'none'",
+        ),
         ('[adaptive]\nstrategy = "measure"\n', "adaptive.strategy", "did you mean 'measured'"),
         ('[adaptive]\nstrategy = "goodput"\n', "adaptive.strategy", "no longer offered: 'measured' replaced it"),
         ("[adaptive]\ndraft_cutoff = true\n", "adaptive.draft_cutoff", "no longer exists"),

@@ -174,3 +174,59 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "not a DFlash config" in broken("plain", lambda c: c.pop("dflash_config"))
     with pytest.raises(CheckpointError, match="not found"):
         load_dflash(tmp_path / "nowhere", target.model)
+
+
+def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp_path):
+    from control.config import ConfigError, load_config
+    from daemon.runtime import build_controller, load_models
+    from engine.controller import Controller
+
+    target, _ = pair
+    save_dflash(dflash_for(target.model), tmp_path / "dflash")
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[engine]\ntarget = "{target.path}"\ndrafter = "dflash"\ndflash = "dflash"\nmax_seq_len = {MAX_SEQ_LEN}\n'
+        "[adaptive]\ncandidate_k = [0, 2, 5]\n"
+    )
+    snapshot = load_config(config, check_models=True)
+    controller: Controller = build_controller(snapshot, load_models(snapshot), max_batch_size=2)
+    assert isinstance(controller.engine.drafter, DFlashDrafter)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    for r in requests:
+        controller.engine.add_request(r)
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+    while controller.engine.has_work:
+        for out in controller.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+
+    other = dflash_for(target.model)
+    wrong = DFlashModel(DFlashConfig(**{**other.config.__dict__, "hidden_size": 32}))
+    save_dflash(wrong, tmp_path / "wrong")
+    config.write_text(config.read_text().replace('dflash = "dflash"', 'dflash = "wrong"'))
+    with pytest.raises(ConfigError, match="engine.dflash: .*does not fit the target: hidden size 32"):
+        load_config(config, check_models=True)
+
+
+def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    target, _ = pair
+    rng = random.Random(0)
+    words = [f"w{rng.randrange(2, 40)}" for _ in range(60)]
+    (tmp_path / "data.txt").write_text(" ".join(words * 40))  # repetitive: learnable in a few steps
+    out = tmp_path / "dflash"
+    command = [sys.executable, "tools/train_dflash.py", str(target.path), str(out), "--steps", "60"]
+    command += ["--block", "4", "--seq-len", "48", "--anchors", "8", "--batch", "4", "--lr", "3e-3"]
+    command += ["--data", str(tmp_path / "data.txt"), "--prompts", "0"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["last_loss"] < 0.6 * report["first_loss"]  # KL from the target's distribution
+    assert load_dflash(out, target.model).config.block_size == 4
+    resumed = subprocess.run(command[:-2] + ["--prompts", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
