@@ -117,14 +117,18 @@ class DFlashModel(nn.Module):
         context_v: Seq[Tensor],
         mask: Tensor,
         target: Transformer,
+        drafts: int | None = None,
     ) -> Tensor:
-        """Logits of every block position [B, S, V]. block: token ids [B, S]; positions [B, S];
-        context_k/v: per layer [B, C, kv_heads, D]; mask: which keys (context, then block) each
-        block position sees, [B, 1, S, C + S]."""
+        """Logits of every block position [B, S, V], or of the first `drafts` after the first
+        ([B, drafts, V]: the LM head is most of a small drafter's cost). block: token ids [B, S];
+        positions [B, S]; context_k/v: per layer [B, C, kv_heads, D]; mask: which keys (context,
+        then block) each block position sees, [B, 1, S, C + S]."""
         x = target.embed_tokens(block).to(self.fc.weight.dtype)
         cos, sin = self.rope(positions)
         for layer, k, v in zip(self.layers, context_k, context_v):
             x = layer(x, cos, sin, k, v, mask)
+        if drafts is not None:
+            x = x[:, 1 : drafts + 1]
         x = self.norm(x).to(target.lm_head.weight.dtype)
         if torch.is_grad_enabled():  # training: a CPU target's packed head (Linear.pack) has no backward
             return F.linear(x, target.lm_head.weight)
@@ -251,10 +255,11 @@ class DFlashDrafter:
         context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
         context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
         mask = block_mask(lengths, width, size)
-        logits = self.model(block, positions, context_k, context_v, mask, self.target)
+        drafts = min(max(ks[i] for i in rows), self.max_k)
+        logits = self.model(block, positions, context_k, context_v, mask, self.target, drafts)
         for row, i in enumerate(rows):
             seq, k = seqs[i], min(ks[i], self.max_k)
-            drafted = logits[row, 1 : k + 1]
+            drafted = logits[row, :k]
             if seq.params.greedy:
                 proposals[i].tokens = drafted.argmax(dim=-1).tolist()
             else:
