@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from engine.config import CheckpointError, DFlashConfig, dflash_problems
+from engine.config import CheckpointError, DFlashConfig, inspect_dflash
 from engine.drafters import Proposal
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope
@@ -144,12 +144,6 @@ def block_mask(context_len: Tensor, width: int, size: int) -> Tensor:
     return torch.cat((visible, whole), dim=1)[:, None, None, :].expand(batch, 1, size, width + size)
 
 
-def check_against_target(config: DFlashConfig, target: Transformer, where: str) -> None:
-    problems = dflash_problems(config, target.config)
-    if problems:
-        raise CheckpointError(f"{where}: does not fit the target: " + "; ".join(problems))
-
-
 def save_dflash(model: DFlashModel, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
@@ -158,19 +152,9 @@ def save_dflash(model: DFlashModel, path: Path) -> None:
 
 def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
     path = Path(path)
-    config_file = path / "config.json"
-    try:
-        raw = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_file}: not found (a DFlash checkpoint is a directory)") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}: invalid JSON ({err})") from None
-    config = DFlashConfig.from_json(raw, str(config_file))
-    check_against_target(config, target, str(path))
+    config = inspect_dflash(path, target.config)  # the config, checked against the target
     model = DFlashModel(config)
     weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: not found")
     state = load_file(str(weights))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))

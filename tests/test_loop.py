@@ -32,11 +32,13 @@ def loop(pair):
     assert not thread.is_alive()
 
 
-def collect(loop: EngineLoop, requests) -> dict[str, list[int]]:
+def collect(loop: EngineLoop, requests, also=lambda out: None) -> dict[str, list[int]]:
+    """Submit `requests` and wait for them; `also` sees every output first, on the engine thread."""
     outputs: dict[str, list[int]] = {r.id: [] for r in requests}
     finished = threading.Semaphore(0)
 
     def on_output(out):
+        also(out)
         outputs[out.request_id].extend(out.new_tokens)
         if out.finish_reason is not None:
             finished.release()
@@ -73,22 +75,14 @@ def test_a_runtime_state_is_built_by_the_engine_thread_between_rounds(loop, pair
     target, _ = pair
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
-    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
-    finished = threading.Semaphore(0)
     builds = []  # (the build's future, whether it was done when sent from inside a round)
 
-    def on_output(out):
+    def build_once(out):
         if not builds:  # called on the engine thread, inside a round's emit
             build = loop.build_state(4)
             builds.append((build, build.done()))
-        outputs[out.request_id].extend(out.new_tokens)
-        if out.finish_reason is not None:
-            finished.release()
 
-    for r in requests:
-        loop.submit(r, on_output)
-    for _ in requests:
-        assert finished.acquire(timeout=30)
+    outputs = collect(loop, requests, also=build_once)
     (build, done_when_sent), *_ = builds
     assert not done_when_sent and build.result(timeout=5).round > 0
     assert 4 in {s.k for s in loop.status.states}
