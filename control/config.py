@@ -700,6 +700,19 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
     return issues
 
 
+def read_key_file(path: str | os.PathLike[str]) -> str:
+    """The API key a file holds, its text without surrounding whitespace; ValueError naming the
+    file where it cannot be read or holds nothing."""
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ValueError(f"cannot read {path}: {reason}") from None
+    if not key:
+        raise ValueError(f"{path}: the key file is empty")
+    return key
+
+
 def _check_across(
     values: Mapping[str, Any], sources: Mapping[str, str], explicit: Mapping[str, Any], issues: list[ConfigIssue]
 ) -> None:
@@ -711,11 +724,9 @@ def _check_across(
     key_file = values.get("server.api_key_file")
     if key_file is not None:
         try:
-            if not Path(key_file).read_text(encoding="utf-8").strip():
-                issues.append(ConfigIssue("server.api_key_file", f"{key_file}: the key file is empty"))
-        except (OSError, UnicodeDecodeError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-            issues.append(ConfigIssue("server.api_key_file", f"cannot read {key_file}: {reason}"))
+            read_key_file(key_file)
+        except ValueError as err:
+            issues.append(ConfigIssue("server.api_key_file", str(err)))
     low, high = values.get("engine.ngram_min"), values.get("engine.ngram_max")
     if low is not None and high is not None and low > high:
         issues.append(ConfigIssue("engine.ngram_min", f"must be <= engine.ngram_max ({high}), got {low}"))

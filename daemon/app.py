@@ -57,7 +57,7 @@ class Daemon:
         log.info("starting", config=str(self.config_path), generation=self.snapshot.generation, pid=os.getpid())
         try:
             key = api_key(self.snapshot.server)
-        except (OSError, ValueError) as err:  # the key file went away since the config was read
+        except ValueError as err:  # the key file went away since the config was read
             log.error("cannot read the API key", error=str(err))
             return 1
         metrics = Metrics(self.snapshot.engine.max_k)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from control.config import ServerSettings
+from control.config import ServerSettings, read_key_file
 from daemon.protocol import ApiError
 
 ENV_VAR = "ADASPEC_API_KEY"
@@ -27,15 +27,6 @@ def api_key(settings: ServerSettings, environ: Mapping[str, str] = os.environ) -
     if settings.api_key_file is not None:
         return read_key_file(settings.api_key_file)
     return environ.get(ENV_VAR) or None
-
-
-def read_key_file(path: os.PathLike[str]) -> str:
-    """The key a file holds: its text without surrounding whitespace (ValueError if none)."""
-    with open(path, encoding="utf-8") as file:
-        key = file.read().strip()
-    if not key:
-        raise ValueError(f"{path}: the key file is empty")
-    return key
 
 
 class ApiKeyMiddleware:
