@@ -87,9 +87,10 @@ class StepResult:
 
 def rows(hidden: dict[int, Tensor], keep: list[int]) -> dict[int, Tensor]:
     """The captured hidden states of the batch rows `keep`, in that order."""
-    if not hidden:
+    first = next(iter(hidden.values()), None)
+    if first is None or len(keep) == first.shape[0]:  # nothing captured, or every row goes on
         return hidden
-    index = torch.tensor(keep, dtype=torch.long, device=next(iter(hidden.values())).device)
+    index = torch.tensor(keep, dtype=torch.long, device=first.device)
     return {layer: h.index_select(0, index) for layer, h in hidden.items()}
 
 
@@ -114,6 +115,8 @@ class Engine:
         self.verification = verification  # how sampled chains are judged (engine/verify.py)
         self.model = target.model
         self.drafter = drafter
+        # The target layers whose outputs every prefill and verify hand to the drafter.
+        self.capture_layers: tuple[int, ...] = tuple(drafter.capture_layers) if drafter is not None else ()
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_k = max_k
@@ -162,8 +165,7 @@ class Engine:
         """State k's verify graphs, and the shared draft-step graphs if no state has captured them
         yet (this state then pays for them); returns the graphs and the memory they added."""
         assert self.graph_runner is not None
-        capture = self.drafter.capture_layers if self.drafter is not None else ()
-        graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], capture)
+        graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], self.capture_layers)
         memory = graphs.memory_bytes
         drafter = self.drafter
         if k > 0 and self.draft_graph_runner is not None and isinstance(drafter, DraftModelDrafter):
@@ -286,15 +288,14 @@ class Engine:
     ) -> tuple[list[list[int]], dict]:
         """One target forward over each pending token and its drafts: through `state`'s graphs
         when the batch fits one, else eagerly."""
-        capture = self.drafter.capture_layers if self.drafter is not None else ()
         slots = [s.slot for s in seqs]
         tokens = [[s.tokens[-1], *p.tokens] for s, p in zip(seqs, proposals)]
         out = None
         if state is not None and state.graphs is not None:
-            out = state.graphs.run(ForwardMode.VERIFY, slots, tokens, capture)
+            out = state.graphs.run(ForwardMode.VERIFY, slots, tokens, self.capture_layers)
         if out is None:
             batch = self.model.batch(self.cache, slots, tokens)
-            out = self.model(batch, self.cache, capture=capture)
+            out = self.model(batch, self.cache, capture=self.capture_layers)
         return verify(out.logits, seqs, proposals, self.verification), out.hidden
 
     def accept(
@@ -360,8 +361,7 @@ class Engine:
         if not admitted:
             return
         batch = self.model.batch(self.cache, [s.slot for s in admitted], [s.tokens for s in admitted])
-        capture = self.drafter.capture_layers if self.drafter is not None else ()
-        out = self.model(batch, self.cache, last_only=True, capture=capture)
+        out = self.model(batch, self.cache, last_only=True, capture=self.capture_layers)
         logits = out.logits[:, -1]
         for row, seq in enumerate(admitted):
             new = self._append(seq, [next_token(logits[row], seq.params, seq.generator)])
@@ -372,6 +372,8 @@ class Engine:
             self.drafter.admit([admitted[row] for row in live], rows(out.hidden, live))
 
     def _apply_cancellations(self, outputs: dict[str, SequenceOutput]) -> None:
+        if not self.cancelled:
+            return  # the common case: every round passes here
         cancelled, self.cancelled = self.cancelled, set()
         for request in [r for r in self.waiting if r.id in cancelled]:
             self.waiting.remove(request)

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from engine.config import CheckpointError, DFlashConfig, inspect_dflash
+from engine.config import CheckpointError, DFlashConfig, RopeConfig, inspect_dflash
 from engine.drafters import Proposal
 from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Transformer, apply_rope
+from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -89,8 +89,8 @@ class DFlashModel(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        half = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta**half, persistent=False)
+        inv_freq = rope_inverse_frequencies(RopeConfig(theta=config.rope_theta), config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin for `positions` (any shape), with a heads axis before the last."""
@@ -120,7 +120,7 @@ class DFlashModel(nn.Module):
         drafts: int | None = None,
     ) -> Tensor:
         """Logits of every block position [B, S, V], or of the first `drafts` after the first
-        ([B, drafts, V]: the LM head is most of a small drafter's cost). block: token ids [B, S];
+        ([B, drafts, V]: the LM head over the whole vocabulary need not run on the others). block: token ids [B, S];
         positions [B, S]; context_k/v: per layer [B, C, kv_heads, D]; mask: which keys (context,
         then block) each block position sees, [B, 1, S, C + S]."""
         x = target.embed_tokens(block).to(self.fc.weight.dtype)
@@ -168,6 +168,7 @@ def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
                 f"{weights}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
             )
     model.load_state_dict(state)
+    # On a CPU the drafter runs in float32 (PyTorch operators); elsewhere in the target's dtype.
     device = target.embed_tokens.weight.device
     return (
         model.to(device=device, dtype=torch.float32 if device.type == "cpu" else target.embed_tokens.weight.dtype)
@@ -199,13 +200,12 @@ class DFlashDrafter:
         )
         self.max_k = self.config.block_size - 1
 
-    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
         for row, seq in enumerate(seqs):
             seq.draft_slot = self.cache.allocate()
-            if hidden is not None:
-                prompt = len(seq.tokens) - 1  # every token but the newest went through the target
-                self._extend(seq, [hidden[i][row, :prompt] for i in self.capture_layers])
+            prompt = len(seq.tokens) - 1  # every token but the newest went through the target
+            self._extend(seq, [hidden[i][row, :prompt] for i in self.capture_layers])
 
     @torch.inference_mode()
     def _extend(self, seq: Sequence, taps: Seq[Tensor]) -> None:
@@ -254,12 +254,9 @@ class DFlashDrafter:
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
         """The verify forward's tapped hidden states (rows in `seqs`' order) of the pending token and
-        the kept drafts become context; whatever the cache held beyond is rolled back."""
+        the kept drafts become context. Nothing speculative was ever added, so nothing rolls back."""
         for row, (seq, kept) in enumerate(zip(seqs, accepted)):
-            confirmed = len(seq.tokens) - 1 - (kept + 1)  # context before this round's verified tokens
-            self.cache.truncate(seq.draft_slot, min(self.cache.lengths[seq.draft_slot], confirmed))
-            if self.cache.lengths[seq.draft_slot] == confirmed:
-                self._extend(seq, [hidden[i][row, : kept + 1] for i in self.capture_layers])
+            self._extend(seq, [hidden[i][row, : kept + 1] for i in self.capture_layers])
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:

@@ -73,7 +73,6 @@ class EngineStatus:
     switches: int
     running: int  # sequences in the batch
     states: tuple[StateInfo, ...]  # built runtime states, by k
-    rounds: int = 0
     tokens: int = 0
     mean_accepted_drafts: float = 0.0
     tokens_per_s: float = 0.0  # smoothed over recent busy time
@@ -271,7 +270,6 @@ class EngineLoop:
             switches=controller.switches,
             running=len(engine.running),
             states=self._states,
-            rounds=stats.rounds,
             tokens=stats.tokens,
             mean_accepted_drafts=stats.mean_accepted_drafts,
             tokens_per_s=stats.tokens_per_s,
