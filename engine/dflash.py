@@ -24,10 +24,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from engine import native
 from engine.config import CheckpointError, DFlashConfig, RopeConfig, inspect_dflash
 from engine.drafters import Proposal
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
+from engine.native import NativeDFlash
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -101,7 +103,11 @@ class DFlashModel(nn.Module):
 
     def features(self, taps: Seq[Tensor]) -> Tensor:
         """The context features of the target's tapped hidden states ([..., H] each)."""
-        return self.hidden_norm(self.fc(torch.cat(list(taps), dim=-1)))
+        return self.fused(torch.cat(list(taps), dim=-1))
+
+    def fused(self, taps: Tensor) -> Tensor:
+        """The context features of the tapped hidden states side by side ([..., taps * H])."""
+        return self.hidden_norm(self.fc(taps))
 
     def context(self, features: Tensor, positions: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """Each draft layer's keys and values ([..., T, kv_heads, D]) of context features at `positions`."""
@@ -188,38 +194,64 @@ class DFlashDrafter:
         self.config = model.config
         self.capture_layers: tuple[int, ...] = self.config.target_layer_ids
         param = model.fc.weight
+        # Beside a target on the compiled kernels, the drafter runs on them too (float32 activations,
+        # keys position-minor); the block's keys and values are written past the context, hence the room.
+        lib = native.library() if target.native is not None and native.available(param.device, param.dtype) else None
+        positions = max_seq_len + self.config.block_size
+        self.native = NativeDFlash(model, target.native, lib, positions + 1) if lib and target.native else None
         # One "layer" of the cache per draft layer: the context keys and values it attends to.
         self.cache = KVCache(
             self.config.num_layers,
             max_batch_size,
-            max_seq_len,
+            positions,
             self.config.num_kv_heads,
             self.config.head_dim,
-            dtype=param.dtype,
+            dtype=torch.float32 if self.native else param.dtype,
             device=param.device,
+            transposed_keys=self.native is not None,
         )
         self.max_k = self.config.block_size - 1
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
-        for row, seq in enumerate(seqs):
+        for seq in seqs:
             seq.draft_slot = self.cache.allocate()
-            prompt = len(seq.tokens) - 1  # every token but the newest went through the target
-            self._extend(seq, [hidden[i][row, :prompt] for i in self.capture_layers])
+        # Every token but the newest went through the target.
+        self._extend(seqs, [len(seq.tokens) - 1 for seq in seqs], hidden)
+
+    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
+        """The verify forward's tapped hidden states (rows in `seqs`' order) of the pending token and
+        the kept drafts become context. Nothing speculative was ever added, so nothing rolls back."""
+        self._extend(seqs, [kept + 1 for kept in accepted], hidden)
 
     @torch.inference_mode()
-    def _extend(self, seq: Sequence, taps: Seq[Tensor]) -> None:
-        """Append the context features of `taps` ([n, H] each) at the next positions."""
-        slot = seq.draft_slot
-        start, count = self.cache.lengths[slot], taps[0].shape[0]
-        if count == 0:
+    def _extend(self, seqs: Seq[Sequence], counts: Seq[int], hidden: dict[int, Tensor]) -> None:
+        """The first counts[r] tapped hidden states of row r (`hidden`: per tap [rows, width, H])
+        become the context of seqs[r] at its next positions, all rows in one call."""
+        taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)
+        slots: list[int] = []
+        positions: list[int] = []
+        pieces = []
+        for row, (seq, count) in enumerate(zip(seqs, counts)):
+            slot = seq.draft_slot
+            start = self.cache.lengths[slot]
+            slots += [slot] * count
+            positions += range(start, start + count)
+            pieces.append(taps[row, :count])
+            self.cache.lengths[slot] = start + count
+        if not slots:
             return
-        features = self.model.features([t.to(self.model.fc.weight.dtype) for t in taps])
-        keys, values = self.model.context(features, torch.arange(start, start + count, device=features.device))
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if self.native is not None:
+            self.native.extend(self.cache, slots, positions, flat.float())
+            return
+        where = torch.tensor(positions, device=flat.device)
+        features = self.model.fused(flat.to(self.model.fc.weight.dtype))
+        keys, values = self.model.context(features, where)
+        index = torch.tensor(slots, device=flat.device)
         for i, (k, v) in enumerate(zip(keys, values)):
-            self.cache.k[i, slot, start : start + count] = k
-            self.cache.v[i, slot, start : start + count] = v
-        self.cache.lengths[slot] = start + count
+            self.cache.k[i, index, where] = k
+            self.cache.v[i, index, where] = v
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
@@ -230,17 +262,9 @@ class DFlashDrafter:
         size = self.config.block_size
         device = self.model.fc.weight.device
         slots = [seqs[i].draft_slot for i in rows]
-        lengths = torch.tensor([self.cache.lengths[s] for s in slots], device=device)
-        width = int(lengths.max())
         block = torch.full((len(rows), size), self.config.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = torch.tensor([seqs[i].tokens[-1] for i in rows], device=device)
-        positions = lengths[:, None] + torch.arange(size, device=device)[None, :]
-        index = torch.tensor(slots, device=device)
-        context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
-        context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
-        mask = block_mask(lengths, width, size)
-        drafts = min(max(ks[i] for i in rows), self.max_k)
-        logits = self.model(block, positions, context_k, context_v, mask, self.target, drafts)
+        logits = self.block_logits(slots, block, min(max(ks[i] for i in rows), self.max_k))
         for row, i in enumerate(rows):
             seq, k = seqs[i], min(ks[i], self.max_k)
             drafted = logits[row, :k]
@@ -252,11 +276,20 @@ class DFlashDrafter:
                 proposals[i].probs = q
         return proposals
 
-    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
-        """The verify forward's tapped hidden states (rows in `seqs`' order) of the pending token and
-        the kept drafts become context. Nothing speculative was ever added, so nothing rolls back."""
-        for row, (seq, kept) in enumerate(zip(seqs, accepted)):
-            self._extend(seq, [hidden[i][row, : kept + 1] for i in self.capture_layers])
+    @torch.inference_mode()
+    def block_logits(self, slots: list[int], block: Tensor, drafts: int) -> Tensor:
+        """Logits [rows, drafts, V] of block positions 1..drafts, each row's block ([rows, B] token
+        ids) after the context of its cache slot."""
+        if self.native is not None:
+            return self.native.block(self.cache, slots, block, drafts)
+        size, device = self.config.block_size, block.device
+        lengths = torch.tensor([self.cache.lengths[s] for s in slots], device=device)
+        width = int(lengths.max())
+        positions = lengths[:, None] + torch.arange(size, device=device)[None, :]
+        index = torch.tensor(slots, device=device)
+        context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
+        context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
+        return self.model(block, positions, context_k, context_v, block_mask(lengths, width, size), self.target, drafts)
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:

@@ -11,6 +11,10 @@
  * token's logits do not depend on which other tokens, rows or threads share its forward. A
  * verify of k+1 tokens therefore gives bit for bit the logits k+1 decode steps would, which
  * keeps greedy speculation token-for-token equal to target-only decoding.
+ *
+ * The same forward drafts DFlash's block (Batch.block: the block's tokens attend to each other
+ * whole, not causally), and adaspec_dflash_context turns the target's tapped hidden states into
+ * the DFlash drafter's context keys and values.
  */
 #include <math.h>
 #include <omp.h>
@@ -73,6 +77,9 @@ typedef struct {
     const int32_t *captured_layers;
     float *const *captured;
     int32_t threads;
+    int32_t block;           /* a row's new tokens all see each other (DFlash's block), not causally */
+    int32_t out_first, out_count; /* out_count > 0: logits of each row's tokens out_first.. only
+                                   * ([rows, out_count, vocab]; every row has that many) */
 } Batch;
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -305,7 +312,7 @@ typedef struct {
  * as tiles of products (queries x keys, probabilities x values), so that a query's result does
  * not depend on which other queries share its tile (causally hidden keys get a probability of
  * exactly 0). keys: [head_dim, positions] of this slot and head; values: [positions] rows. */
-static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, int count, int start,
+static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, int count, int start, int block,
                    const float *keys, int64_t positions, const float *values, int64_t value_stride, float *out,
                    int64_t out_stride, const AttendScratch *s) {
     const int dim = m->head_dim, group = m->num_heads / m->num_kv_heads, length = start + count;
@@ -320,14 +327,15 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
             const int t = (q0 + r) / group, head = kv * group + (q0 + r) % group;
             memcpy(s->queries + r * dim, qkv + t * qkv_size + head * dim, sizeof(float) * (size_t)dim);
             out_rows[r] = out + t * out_stride + head * dim;
-            if (start + t > last) last = start + t;
+            const int sees = block ? length - 1 : start + t;
+            if (sees > last) last = sees;
         }
         for (int b = 0; b <= last / PANEL; b++) {
             for (int r = 0; r < rows; r++) score_rows[r] = s->probs + r * ldp + b * PANEL;
             tile_rows(rows, 0, dim, s->queries, dim, keys + b * PANEL, positions, NULL, PANEL, score_rows, 0);
         }
         for (int r = 0; r < rows; r++) {
-            const int pos = start + (q0 + r) / group;
+            const int pos = block ? length - 1 : start + (q0 + r) / group;
             const int first = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
             softmax(s->probs + r * ldp, first, pos, last, scale);
         }
@@ -357,7 +365,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         tokens += b->count[r];
         if (b->start[r] + b->count[r] > longest) longest = b->start[r] + b->count[r];
     }
-    const int outputs = b->last_only ? b->rows : tokens;
+    const int outputs = b->last_only ? b->rows : b->out_count > 0 ? b->rows * b->out_count : tokens;
     const int threads = b->threads > 0 ? b->threads : 1;
     const int64_t keys_padded = (int64_t)(longest + PANEL - 1) / PANEL * PANEL;
     const int64_t per_thread = TILE_ROWS * dim + TILE_ROWS * keys_padded + 2 * 16;
@@ -382,18 +390,19 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
      * per output: the token whose logits it is, and its row of `logits`. */
     int64_t *padded = where, *cache_row = where + tokens, *position = where + 2 * tokens;
     int64_t *selected = where + 3 * tokens, *out_row = selected + outputs, *row_first = out_row + outputs;
-    for (int r = 0, t = 0; r < b->rows; r++) {
+    for (int r = 0, t = 0, o = 0; r < b->rows; r++) {
         row_first[r] = t;
         for (int j = 0; j < b->count[r]; j++, t++) {
             padded[t] = (int64_t)r * b->width + j;
             cache_row[t] = b->slot[r];
             position[t] = b->start[r] + j;
-            if (!b->last_only) {
-                selected[t] = t;
-                out_row[t] = padded[t];
-            } else if (j == b->count[r] - 1) {
-                selected[r] = t;
-                out_row[r] = r;
+            if (b->last_only) {
+                if (j == b->count[r] - 1) selected[o] = t, out_row[o] = r, o++;
+            } else if (b->out_count > 0) {
+                if (j >= b->out_first && j < b->out_first + b->out_count)
+                    selected[o] = t, out_row[o] = (int64_t)r * b->out_count + j - b->out_first, o++;
+            } else {
+                selected[o] = t, out_row[o] = padded[t], o++;
             }
         }
     }
@@ -444,7 +453,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < b->rows; r++) {
                 for (int kv = 0; kv < kv_heads; kv++) {
-                    attend(m, kv, qkv + row_first[r] * qkv_size, qkv_size, b->count[r], b->start[r],
+                    attend(m, kv, qkv + row_first[r] * qkv_size, qkv_size, b->count[r], b->start[r], b->block,
                            k_cache + b->slot[r] * cache->k_slot + (int64_t)kv * dim * cache->positions, cache->positions,
                            v_cache + b->slot[r] * cache->v_slot + (int64_t)kv * dim, key_stride,
                            attn + row_first[r] * q_size, q_size, &my_scratch);
@@ -470,5 +479,55 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     }
     free(arena);
     free(where);
+    return 0;
+}
+
+/* DFlash's context: the target's tapped hidden states of `tokens` newly kept tokens ([tokens,
+ * taps * hidden], concatenated) are fused (fc, then its norm) and become every draft layer's keys
+ * (k-norm, RoPE at position[t]) and values in the drafter's cache, at slot[t]. */
+typedef struct {
+    Linear fc;
+    const float *fc_norm;
+    const Linear *kv; /* per draft layer: its key and value projections, [k; v] */
+} Context;
+
+int adaspec_dflash_context(const Model *m, const Context *c, const Cache *cache, int tokens, const float *taps,
+                           const int32_t *slot, const int32_t *position, int threads) {
+    const int hidden = m->hidden, dim = m->head_dim, kv_heads = m->num_kv_heads;
+    const int64_t key_stride = (int64_t)kv_heads * dim;
+    threads = threads > 0 ? threads : 1;
+    const int64_t widest = (int64_t)(c->fc.k > hidden ? c->fc.k : hidden) * PANEL + 16;
+    const int64_t normed = (int64_t)tokens * hidden + 16;
+    float *arena = malloc(sizeof(float) * (size_t)(tokens * (hidden + 2 * key_stride) + threads * (widest + normed) + 48));
+    if (!arena) return -1;
+    float *next = arena;
+    float *fused = take(&next, (int64_t)tokens * hidden), *kv = take(&next, tokens * 2 * key_stride);
+    float *normed_arena = take(&next, threads * normed), *widened_arena = next;
+#pragma omp parallel num_threads(threads)
+    {
+        float *h = normed_arena + omp_get_thread_num() * normed;
+        float *widened = widened_arena + omp_get_thread_num() * widest;
+        linear(taps, tokens, &c->fc, fused, hidden, NULL, 0, widened);
+        rms_norm_rows(fused, tokens, c->fc_norm, hidden, m->eps, h);
+        for (int l = 0; l < m->num_layers; l++) {
+            float *k_cache = cache->k + l * cache->k_layer, *v_cache = cache->v + l * cache->v_layer;
+            linear(h, tokens, &c->kv[l], kv, 2 * key_stride, NULL, 0, widened);
+#pragma omp for schedule(static)
+            for (int t = 0; t < tokens; t++) {
+                float *row = kv + (int64_t)t * 2 * key_stride;
+                const float *cos = m->rope_cos + position[t] * dim, *sin = m->rope_sin + position[t] * dim;
+                for (int head = 0; head < kv_heads; head++) {
+                    float *vec = row + head * dim;
+                    if (m->layers[l].k_norm) rms_norm(vec, m->layers[l].k_norm, dim, m->eps, vec);
+                    rope(vec, cos, sin, dim);
+                }
+                float *keys = k_cache + slot[t] * cache->k_slot + position[t];
+                for (int i = 0; i < key_stride; i++) keys[i * cache->positions] = row[i];
+                memcpy(v_cache + slot[t] * cache->v_slot + position[t] * key_stride, row + key_stride,
+                       sizeof(float) * (size_t)key_stride);
+            }
+        }
+    }
+    free(arena);
     return 0;
 }

@@ -496,20 +496,26 @@ class Transformer(DerivedCopy, nn.Module):
 
     def forward_train(self, tokens: Tensor, capture: Sequence[int] = ()) -> Tensor:
         """Causal forward over whole sequences without a cache; returns logits [B, T, V]."""
-        return self.train_layers(tokens, capture)[0]
+        logits, _ = self.train_layers(tokens, capture)
+        assert logits is not None
+        return logits
 
-    def train_layers(self, tokens: Tensor, capture: Sequence[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
-        """As `forward_train`, with the outputs of the layers in `capture` ([B, T, D] each)."""
+    def train_layers(
+        self, tokens: Tensor, capture: Sequence[int] = (), logits: bool = True
+    ) -> tuple[Tensor | None, dict[int, Tensor]]:
+        """As `forward_train`, with the outputs of the layers in `capture` ([B, T, D] each). With
+        `logits=False` the forward stops at the last captured layer and returns no logits."""
         x = self.embed_tokens(tokens)
         seqlen = tokens.shape[1]
         cos = self.rope_cos[:seqlen].to(x.dtype)[None, :, None]
         sin = self.rope_sin[:seqlen].to(x.dtype)[None, :, None]
         hidden: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        layers = self.layers if logits else self.layers[: max(capture) + 1]
+        for i, layer in enumerate(layers):
             x = layer(x, cos, sin, None, None)
             if i in capture:
                 hidden[i] = x
-        return self.lm_head(self.norm(x)), hidden
+        return (self.lm_head(self.norm(x)) if logits else None), hidden
 
     def pack_linears(self) -> None:
         """Pack every linear weight for oneDNN (see `Linear`); for inference, after loading."""

@@ -1,7 +1,8 @@
 """The CPU forward of engine/kernels.c: compiled once per machine and source, called through ctypes.
 
 A float32 model on a CPU runs every forward (prefill, decode, verify, draft) as one call into
-the compiled kernels instead of a few hundred PyTorch operators. The library is built with the
+the compiled kernels instead of a few hundred PyTorch operators, and so does a DFlash drafter
+beside it (`NativeDFlash`). The library is built with the
 system's C compiler on first use and kept in the cache directory (`$ADASPEC_CACHE_DIR`, else
 `$XDG_CACHE_HOME/adaspec`, else `~/.cache/adaspec`), keyed by the source, the compiler and the
 CPU. Where no compiler works, or `ADASPEC_NATIVE=0`, models run on the PyTorch operators instead.
@@ -27,6 +28,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from engine.config import DFlashConfig, ModelConfig
+    from engine.dflash import DFlashModel
     from engine.kv_cache import KVCache
     from engine.model import Batch, ForwardOutput, Transformer
 
@@ -104,7 +107,14 @@ class _Batch(ctypes.Structure):
         ("captured_layers", ctypes.POINTER(_i32)),
         ("captured", ctypes.POINTER(_ptr)),
         ("threads", _i32),
+        ("block", _i32),
+        ("out_first", _i32),
+        ("out_count", _i32),
     ]
+
+
+class _Context(ctypes.Structure):
+    _fields_ = [("fc", _Linear), ("fc_norm", _ptr), ("kv", ctypes.POINTER(_Linear))]
 
 
 def cache_dir() -> Path:
@@ -183,6 +193,17 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.adaspec_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Batch)]
     lib.adaspec_forward.restype = ctypes.c_int
+    lib.adaspec_dflash_context.argtypes = [
+        ctypes.POINTER(_Model),
+        ctypes.POINTER(_Context),
+        ctypes.POINTER(_Cache),
+        ctypes.c_int,
+        _ptr,
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        ctypes.c_int,
+    ]
+    lib.adaspec_dflash_context.restype = ctypes.c_int
     return lib
 
 
@@ -214,6 +235,105 @@ def gate_up_panels(weight: Tensor, bias: Tensor | None, inter: int) -> tuple[Ten
     return panels(interleave(weight)), (interleave(bias).float().contiguous() if bias is not None else None)
 
 
+class _Weights:
+    """Copies of parameters in the layouts the kernels read, kept alive while structures point into them."""
+
+    def __init__(self, bf16: bool) -> None:
+        self.bf16 = bf16  # linear weights in bfloat16, widened as they are read
+        self.kept: list[Tensor] = []
+
+    def keep(self, tensor: Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
+        if tensor is None:
+            return None
+        tensor = tensor.detach().to(dtype).contiguous()
+        self.kept.append(tensor)
+        return tensor.data_ptr()
+
+    def linear(self, weight: Tensor, bias: Tensor | None = None) -> _Linear:
+        packed = panels(weight.to(torch.bfloat16 if self.bf16 else torch.float32))
+        self.kept.append(packed)
+        return _Linear(packed.data_ptr(), self.keep(bias), weight.shape[0], weight.shape[1], int(self.bf16))
+
+    def gate_up(self, weight: Tensor, bias: Tensor | None, inter: int) -> _Linear:
+        weight = weight.to(torch.bfloat16 if self.bf16 else torch.float32)
+        packed, bias = gate_up_panels(weight, bias, inter)
+        self.kept.append(packed)
+        return _Linear(packed.data_ptr(), self.keep(bias), packed.shape[0] * PANEL, weight.shape[1], int(self.bf16))
+
+
+class _CacheStructs:
+    """The kernels' view of each KV cache a forward runs on, made once per cache."""
+
+    def __init__(self) -> None:
+        self._made: weakref.WeakKeyDictionary[KVCache, _Cache] = weakref.WeakKeyDictionary()
+
+    def __call__(self, cache: KVCache) -> _Cache:
+        found = self._made.get(cache)
+        if found is None:
+            k, v = cache.k, cache.v
+            if not cache.transposed_keys or k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("the compiled kernels need a float32 KV cache with transposed keys (model.new_cache)")
+            found = _Cache(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[-1], v.stride(0), v.stride(1))
+            self._made[cache] = found
+        return found
+
+
+def _model(config: ModelConfig | DFlashConfig, sliding_window: int, *pointers: object) -> _Model:
+    """The kernels' model: its shape from `config`, then embed, embed_bf16, norm, rope_cos,
+    rope_sin, lm_head and layers."""
+    return _Model(
+        config.num_layers,
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        sliding_window,
+        config.rms_norm_eps,
+        *pointers,
+    )
+
+
+def _run(
+    lib: ctypes.CDLL,
+    model: _Model,
+    cache: _Cache,
+    tokens: tuple[int, int, int],  # rows, width, address of int64 [rows, width]
+    rows_meta: tuple[list[int], list[int], list[int]],  # slot, start, count per row
+    logits: Tensor,
+    hidden: dict[int, Tensor],
+    last_only: bool = False,
+    block: bool = False,
+    outputs: tuple[int, int] = (0, 0),  # first and count of each row's tokens with logits (count 0: all)
+) -> None:
+    rows, width, address = tokens
+    slots, starts, counts = rows_meta
+    meta = (_i32 * (3 * rows))(*slots, *starts, *counts)
+    row_bytes = ctypes.sizeof(_i32) * rows
+    layers = (_i32 * len(hidden))(*hidden)
+    addresses = (_ptr * len(hidden))(*[t.data_ptr() for t in hidden.values()])
+    base = ctypes.addressof(meta)
+    call = _Batch(
+        rows,
+        width,
+        address,
+        ctypes.cast(base, ctypes.POINTER(_i32)),
+        ctypes.cast(base + row_bytes, ctypes.POINTER(_i32)),
+        ctypes.cast(base + 2 * row_bytes, ctypes.POINTER(_i32)),
+        int(last_only),
+        logits.data_ptr(),
+        len(hidden),
+        layers,
+        addresses,
+        torch.get_num_threads(),
+        int(block),
+        *outputs,
+    )
+    if lib.adaspec_forward(ctypes.byref(model), ctypes.byref(cache), ctypes.byref(call)):
+        raise MemoryError("the compiled forward could not allocate its activations")
+
+
 class NativeForward:
     """`Transformer.forward` for a float32 or bfloat16 model on a CPU, through the compiled kernels.
 
@@ -226,70 +346,34 @@ class NativeForward:
         config = model.config
         self.lib = lib
         self.config = config
-        self._keep: list[Tensor] = []  # everything the structures point into
-
-        bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
-
-        def keep(tensor: Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
-            if tensor is None:
-                return None
-            tensor = tensor.detach().to(dtype).contiguous()
-            self._keep.append(tensor)
-            return tensor.data_ptr()
-
-        def linear(module: torch.nn.Linear) -> _Linear:
-            packed = panels(module.weight)
-            self._keep.append(packed)
-            return _Linear(packed.data_ptr(), keep(module.bias), module.out_features, module.in_features, bf16)
-
-        def gate_up(module: torch.nn.Linear) -> _Linear:
-            packed, bias = gate_up_panels(module.weight, module.bias, config.intermediate_size)
-            self._keep.append(packed)
-            return _Linear(packed.data_ptr(), keep(bias), packed.shape[0] * PANEL, module.in_features, bf16)
-
+        embed_dtype = model.embed_tokens.weight.dtype
+        self.weights = weights = _Weights(bf16=embed_dtype == torch.bfloat16)
         layers = (_Layer * config.num_layers)()
         for i, block in enumerate(model.layers):
-            attention = block.self_attn
+            attention, mlp = block.self_attn, block.mlp
             layers[i] = _Layer(
-                keep(block.input_layernorm.weight),
-                linear(attention.qkv),
-                keep(attention.q_norm.weight if attention.q_norm is not None else None),
-                keep(attention.k_norm.weight if attention.k_norm is not None else None),
-                linear(attention.o_proj),
-                keep(block.post_attention_layernorm.weight),
-                gate_up(block.mlp.gate_up),
-                linear(block.mlp.down_proj),
+                weights.keep(block.input_layernorm.weight),
+                weights.linear(attention.qkv.weight, attention.qkv.bias),
+                weights.keep(attention.q_norm.weight if attention.q_norm is not None else None),
+                weights.keep(attention.k_norm.weight if attention.k_norm is not None else None),
+                weights.linear(attention.o_proj.weight, attention.o_proj.bias),
+                weights.keep(block.post_attention_layernorm.weight),
+                weights.gate_up(mlp.gate_up.weight, mlp.gate_up.bias, config.intermediate_size),
+                weights.linear(mlp.down_proj.weight, mlp.down_proj.bias),
             )
         self._layers = layers
-        self.model = _Model(
-            config.num_layers,
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            config.intermediate_size,
-            config.vocab_size,
+        self.model = _model(
+            config,
             config.sliding_window or 0,
-            config.rms_norm_eps,
-            keep(model.embed_tokens.weight, model.embed_tokens.weight.dtype),
-            bf16,
-            keep(model.norm.weight),
-            keep(model.rope_cos),
-            keep(model.rope_sin),
-            linear(model.lm_head),
+            weights.keep(model.embed_tokens.weight, embed_dtype),
+            int(weights.bf16),
+            weights.keep(model.norm.weight),
+            weights.keep(model.rope_cos),
+            weights.keep(model.rope_sin),
+            weights.linear(model.lm_head.weight, model.lm_head.bias),
             layers,
         )
-        self._caches: weakref.WeakKeyDictionary[KVCache, _Cache] = weakref.WeakKeyDictionary()
-
-    def _cache(self, cache: KVCache) -> _Cache:
-        found = self._caches.get(cache)
-        if found is None:
-            k, v = cache.k, cache.v
-            if not cache.transposed_keys or k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("the compiled kernels need a float32 KV cache with transposed keys (model.new_cache)")
-            found = _Cache(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[-1], v.stride(0), v.stride(1))
-            self._caches[cache] = found
-        return found
+        self._cache = _CacheStructs()
 
     def __call__(
         self, batch: Batch, cache: KVCache, last_only: bool = False, capture: tuple[int, ...] | list[int] = ()
@@ -307,32 +391,103 @@ class NativeForward:
             rows, width = batch.tokens.shape
             tokens = batch.tokens.contiguous()
             tokens_address = tokens.data_ptr()
-        meta = (_i32 * (3 * rows))(*slots, *[cache.lengths[s] for s in slots], *counts)
-        row_bytes = ctypes.sizeof(_i32) * rows
         ragged = any(n != width for n in counts)
         new = torch.zeros if ragged else torch.empty  # padded places stay zero, as the PyTorch path leaves them
         vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
         logits = torch.empty(rows, 1, vocab) if last_only else new(rows, width, vocab)
         hidden = {layer: new(rows, width, hidden_size) for layer in capture}
-        layers = (_i32 * len(hidden))(*hidden)
-        addresses = (_ptr * len(hidden))(*[t.data_ptr() for t in hidden.values()])
-        base = ctypes.addressof(meta)
-        call = _Batch(
-            rows,
-            width,
-            tokens_address,
-            ctypes.cast(base, ctypes.POINTER(_i32)),
-            ctypes.cast(base + row_bytes, ctypes.POINTER(_i32)),
-            ctypes.cast(base + 2 * row_bytes, ctypes.POINTER(_i32)),
-            int(last_only),
-            logits.data_ptr(),
-            len(hidden),
-            layers,
-            addresses,
-            torch.get_num_threads(),
+        starts = [cache.lengths[s] for s in slots]
+        _run(
+            self.lib,
+            self.model,
+            self._cache(cache),
+            (rows, width, tokens_address),
+            (slots, starts, counts),
+            logits,
+            hidden,
+            last_only,
         )
-        if self.lib.adaspec_forward(ctypes.byref(self.model), ctypes.byref(self._cache(cache)), ctypes.byref(call)):
-            raise MemoryError("the compiled forward could not allocate its activations")
         for slot, n in zip(slots, counts):
             cache.lengths[slot] += n
         return ForwardOutput(logits=logits, hidden=hidden)
+
+
+class NativeDFlash:
+    """A DFlash drafter's two calls through the compiled kernels: its context (fused taps to each
+    draft layer's keys and values) and its block forward (non-causal within the block), with the
+    target's embedding and LM head (the target's own `NativeForward`'s copies)."""
+
+    def __init__(self, model: DFlashModel, target: NativeForward, lib: ctypes.CDLL, positions: int) -> None:
+        config = model.config
+        self.lib, self.config, self.target = lib, config, target  # the target's copies must outlive ours
+        self.weights = weights = _Weights(bf16=model.fc.weight.dtype == torch.bfloat16)
+        layers = (_Layer * config.num_layers)()
+        kv = (_Linear * config.num_layers)()
+        for i, layer in enumerate(model.layers):
+            layers[i] = _Layer(
+                weights.keep(layer.input_layernorm.weight),
+                weights.linear(torch.cat((layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight))),
+                weights.keep(layer.q_norm.weight),
+                weights.keep(layer.k_norm.weight),
+                weights.linear(layer.o_proj.weight),
+                weights.keep(layer.post_attention_layernorm.weight),
+                weights.gate_up(
+                    torch.cat((layer.gate_proj.weight, layer.up_proj.weight)), None, config.intermediate_size
+                ),
+                weights.linear(layer.down_proj.weight),
+            )
+            kv[i] = weights.linear(torch.cat((layer.k_proj.weight, layer.v_proj.weight)))
+        self._layers, self._kv = layers, kv
+        cos, sin = model.rope(torch.arange(positions, device=model.fc.weight.device))
+        self.model = _model(
+            config,
+            0,
+            target.model.embed,
+            target.model.embed_bf16,
+            weights.keep(model.norm.weight),
+            weights.keep(cos[:, 0]),
+            weights.keep(sin[:, 0]),
+            target.model.lm_head,
+            layers,
+        )
+        self.context_struct = _Context(weights.linear(model.fc.weight), weights.keep(model.hidden_norm.weight), kv)
+        self._cache = _CacheStructs()
+
+    def extend(self, cache: KVCache, slots: list[int], positions: list[int], taps: Tensor) -> None:
+        """Token t of `taps` ([tokens, taps * hidden], float32) becomes context of `slots[t]` at `positions[t]`."""
+        tokens = len(slots)
+        taps = taps.contiguous()
+        meta = (_i32 * (2 * tokens))(*slots, *positions)
+        base = ctypes.addressof(meta)
+        failed = self.lib.adaspec_dflash_context(
+            ctypes.byref(self.model),
+            ctypes.byref(self.context_struct),
+            ctypes.byref(self._cache(cache)),
+            tokens,
+            taps.data_ptr(),
+            ctypes.cast(base, ctypes.POINTER(_i32)),
+            ctypes.cast(base + ctypes.sizeof(_i32) * tokens, ctypes.POINTER(_i32)),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the compiled DFlash context could not allocate its activations")
+
+    def block(self, cache: KVCache, slots: list[int], block: Tensor, drafts: int) -> Tensor:
+        """Logits [rows, drafts, vocab] of block positions 1..drafts; block: int64 [rows, block size],
+        placed after each slot's context (its keys and values are written past it and left unread)."""
+        rows, size = block.shape
+        block = block.contiguous()
+        logits = torch.empty(rows, drafts, self.config.vocab_size)
+        meta = (slots, [cache.lengths[s] for s in slots], [size] * rows)
+        _run(
+            self.lib,
+            self.model,
+            self._cache(cache),
+            (rows, size, block.data_ptr()),
+            meta,
+            logits,
+            {},
+            block=True,
+            outputs=(1, drafts),
+        )
+        return logits

@@ -13,7 +13,7 @@ from engine.config import CheckpointError
 from engine.core import Engine
 from engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_taps, load_dflash, save_dflash
 from engine.generate import generate
-from engine.request import Request
+from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
 from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginals, exact_marginals
 
@@ -104,12 +104,47 @@ def test_the_context_cache_follows_the_target_and_rolls_back_exactly(pair):
     fresh = DFlashDrafter(drafter.model, target.model, 1, MAX_SEQ_LEN)
     twin = type(seq)(request, slot=0, generator=None, tokens=list(seq.tokens))
     fresh.admit([twin], taps)
-    for layer in range(drafter.config.num_layers):
-        built = drafter.cache.k[layer, seq.draft_slot, :length]
-        assert torch.allclose(built, fresh.cache.k[layer, twin.draft_slot, :length], atol=1e-4)
-        assert torch.allclose(
-            drafter.cache.v[layer, seq.draft_slot, :length], fresh.cache.v[layer, 0, :length], atol=1e-4
-        )
+    built, rebuilt = drafter.cache.keys(seq.draft_slot), fresh.cache.keys(twin.draft_slot)
+    assert torch.allclose(built[:, :length], rebuilt[:, :length], atol=1e-4)
+    assert torch.allclose(
+        drafter.cache.v[:, seq.draft_slot, :length], fresh.cache.v[:, twin.draft_slot, :length], atol=1e-4
+    )
+
+
+def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path):
+    """On a CPU the drafter runs on the compiled kernels beside a compiled target: its context and
+    its block logits equal those of the PyTorch operators, rows of different lengths in one batch."""
+    from tests.conftest import tiny_pair
+
+    target, _ = pair
+    if target.model.native is None:
+        pytest.skip("no compiled kernels here")
+    plain, _ = tiny_pair(tmp_path, native_forward=False)  # the same weights (seeded), on PyTorch operators
+    model = dflash_for(target.model)
+    prompts = [PROMPTS[0], PROMPTS[2][:7]]
+    drafters = []
+    for served in (target, plain):
+        drafter = DFlashDrafter(model, served.model, 2, MAX_SEQ_LEN)
+        cache = served.model.new_cache(2, MAX_SEQ_LEN)
+        slots = [cache.allocate() for _ in prompts]
+        taps = served.model(served.model.batch(cache, slots, prompts), cache, capture=drafter.capture_layers).hidden
+        seqs = [Request(tuple(p), SamplingParams()) for p in prompts]
+        twins = [Sequence(r, slot=i, generator=None, tokens=list(p)) for i, (r, p) in enumerate(zip(seqs, prompts))]
+        drafter.admit(twins, taps)
+        drafters.append((drafter, twins))
+    (compiled, rows), (reference, rows_ref) = drafters
+    assert compiled.native is not None and reference.native is None
+    lengths = [len(p) - 1 for p in prompts]
+    assert [compiled.cache.lengths[t.draft_slot] for t in rows] == lengths
+    for row, ref_row, length in zip(rows, rows_ref, lengths):
+        keys, ref_keys = compiled.cache.keys(row.draft_slot), reference.cache.keys(ref_row.draft_slot)
+        assert torch.allclose(keys[:, :length], ref_keys[:, :length], atol=1e-4)
+    block = torch.full((2, BLOCK), model.config.mask_token_id)
+    block[:, 0] = torch.tensor([p[-1] for p in prompts])
+    logits = compiled.block_logits([t.draft_slot for t in rows], block, BLOCK - 1)
+    expected = reference.block_logits([t.draft_slot for t in rows_ref], block, BLOCK - 1)
+    assert logits.shape == (2, BLOCK - 1, target.model.config.vocab_size)
+    assert torch.allclose(logits, expected, atol=1e-4)
 
 
 def test_tapped_hidden_states_are_the_layer_outputs_of_the_full_forward(pair):
@@ -230,3 +265,30 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert load_dflash(out, target.model).config.block_size == 4
     resumed = subprocess.run(command[:-2] + ["--prompts", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
+
+
+def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, tmp_path):
+    """With --regenerate the data is the target's own greedy output after training-text prompts
+    (what a drafter meets when the target serves greedily), and the drafter learns it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    target, _ = pair
+    rng = random.Random(1)
+    (tmp_path / "data.txt").write_text(" ".join(f"w{rng.randrange(2, 40)}" for _ in range(400)))
+    out, work = tmp_path / "dflash", tmp_path / "work"
+    command = [sys.executable, "tools/train_dflash.py", str(target.path), str(out), "--steps", "60", "--block", "4"]
+    command += ["--seq-len", "40", "--prompt-len", "16", "--regenerate", "12", "--anchors", "8", "--batch", "4"]
+    command += ["--lr", "3e-3", "--data", str(tmp_path / "data.txt"), "--prompts", "0", "--work", str(work)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sequences = torch.load(work / "greedy.pt")
+    assert sequences.shape == (12, 40)
+    prompts = sequences[:, :16].tolist()
+    continuations = generate(target, prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [c.tokens for c in continuations] == sequences[:, 16:].tolist()
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["regenerated_sequences"] == 12
+    assert report["last_loss"] < 0.6 * report["first_loss"]  # cross-entropy on the target's greedy tokens

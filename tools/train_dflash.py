@@ -2,21 +2,26 @@
 
     python tools/train_dflash.py TARGET OUT [--steps 1500] [--block 8] [--layers 2] [--taps 2]
         [--batch 4] [--seq-len 256] [--anchors 32] [--lr 6e-4] [--gamma 4] [--work DIR] [--seed 0]
-        [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
+        [--regenerate N [--prompt-len 96]] [--init DRAFTER] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
 
 The published recipe, small: each training sequence gets random anchor positions, each starting a
 block [token at the anchor, mask x (B-1)] whose queries see the context before the anchor (the
 target's tapped hidden states, lagging by one) and their own block only. The loss on block
-position j (1..B-1) is the KL divergence from the target's own distribution for that token (the
-cross-entropy less the target's entropy), weighted exp(-(j-1)/gamma): what is optimised is
-agreement with the target. AdamW with a cosine schedule. The target's features are computed on
-the fly: for a target this small that is cheaper than reading them back from disk.
+position j (1..B-1) is weighted exp(-(j-1)/gamma). What is optimised is agreement with the target:
+on the data as it is, the KL divergence from the target's own next-token distribution; with
+--regenerate N, the data are N windows of --prompt-len training tokens each followed by the
+target's own greedy continuation to --seq-len (what the drafter meets when the target serves
+greedily; the published recipe regenerates its responses with the target), blocks start in the
+continuation and the loss is the cross-entropy of the target's greedy tokens. AdamW with a cosine
+schedule. The target's features are computed on the fly: for a target this small that is cheaper
+than reading them back from disk.
 
 Data: without --data, the standard library's .py files outside test folders (what the default
 models were trained on); held out, its test files. Resumable: a checkpoint in --work every 100
-steps, picked up by the same command. At the end, the drafter serves the held-out code prompts
-at k = B - 1 in the engine, greedy, batch 1, and the drafts kept per block position are
-written to OUT/training_report.json.
+steps, and the regenerated sequences chunk by chunk, picked up by the same command. --init starts
+from a drafter of the same shape. At the end, the drafter serves the held-out code prompts at
+k = B - 1 in the engine, greedy, batch 1, and the drafts kept per block position are written to
+OUT/training_report.json.
 """
 
 from __future__ import annotations
@@ -35,7 +40,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
-from engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_taps, save_dflash  # noqa: E402
+from engine.dflash import (  # noqa: E402
+    DFlashConfig,
+    DFlashDrafter,
+    DFlashModel,
+    default_taps,
+    load_dflash,
+    save_dflash,
+)
 from engine.model import Transformer  # noqa: E402
 
 
@@ -86,19 +98,30 @@ def draft_config(target: Transformer, args: argparse.Namespace) -> DFlashConfig:
 
 
 def block_loss(
-    draft: DFlashModel, target: Transformer, tokens: torch.Tensor, anchors: int, gamma: float, rng: torch.Generator
+    draft: DFlashModel,
+    target: Transformer,
+    tokens: torch.Tensor,
+    anchors: int,
+    gamma: float,
+    rng: torch.Generator,
+    first_anchor: int = 1,
+    greedy_labels: bool = False,
 ) -> torch.Tensor:
-    """The weighted block loss of one batch of sequences [N, T]."""
+    """The weighted block loss of one batch of sequences [N, T], anchors drawn from
+    [first_anchor, T - B]. With `greedy_labels` the tokens after each anchor are the target's own
+    greedy choices and are the labels (cross-entropy); otherwise the labels are the target's
+    next-token distributions (KL divergence)."""
     config = draft.config
     size, (batch, length) = config.block_size, tokens.shape
     with torch.no_grad():
-        target_logits, taps = target.train_layers(tokens, config.target_layer_ids)
-        soft = F.softmax(target_logits.float(), dim=-1)  # [N, T, V]: the target's next-token distribution
+        target_logits, taps = target.train_layers(tokens, config.target_layer_ids, logits=not greedy_labels)
     features = draft.features([taps[i] for i in config.target_layer_ids])
     positions = torch.arange(length).expand(batch, length)
     context_k, context_v = draft.context(features, positions)
     # Anchors: block i starts at a_i (its first token has no hidden state: context is < a_i).
-    starts = torch.stack([torch.randperm(length - size, generator=rng)[:anchors] + 1 for _ in range(batch)])
+    span = length - size - first_anchor + 1
+    starts = torch.stack([torch.randperm(span, generator=rng)[:anchors] + first_anchor for _ in range(batch)])
+    anchors = starts.shape[1]
     offsets = torch.arange(size)
     block_positions = (starts[:, :, None] + offsets).flatten(1)  # [N, A*S]
     block = torch.full_like(block_positions, config.mask_token_id)
@@ -110,15 +133,49 @@ def block_loss(
         :, None
     ]  # [N, 1, A*S, T + A*S]
     logits = draft(block, block_positions, context_k, context_v, mask, target).float()  # [N, A*S, V]
-    # Position j of a block predicts the token at a + j: the target's distribution at a + j - 1.
-    label_at = (block_positions - 1).clamp(min=0)
-    labels = soft[torch.arange(batch)[:, None], label_at]  # [N, A*S, V]
-    # KL(target || draft): the cross-entropy less the target's own entropy, which no drafter can
-    # go below, so that 0 means the drafter matches the target (same gradients).
-    kl = (labels * (labels.clamp_min(1e-12).log() - F.log_softmax(logits, dim=-1))).sum(-1)
-    per_position = kl.view(batch, anchors, size)[:, :, 1:]
+    log_q = F.log_softmax(logits, dim=-1)
+    if greedy_labels:  # position j of a block predicts the token at a + j
+        loss = -log_q.gather(-1, tokens.gather(1, block_positions)[..., None])[..., 0]
+    else:  # the target's distribution at a + j - 1, less its entropy (which no drafter goes below)
+        assert target_logits is not None
+        labels = F.softmax(target_logits.float(), dim=-1)[
+            torch.arange(batch)[:, None], (block_positions - 1).clamp(min=0)
+        ]  # [N, A*S, V]
+        loss = (labels * (labels.clamp_min(1e-12).log() - log_q)).sum(-1)
+    per_position = loss.view(batch, anchors, size)[:, :, 1:]
     weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / gamma)
     return (per_position * weights).sum(-1).mean() / weights.sum()
+
+
+@torch.inference_mode()
+def greedy_continuations(
+    target_path: Path, data: torch.Tensor, count: int, prompt_len: int, new_tokens: int, path: Path, seed: int
+) -> torch.Tensor:
+    """`count` sequences of `prompt_len` training tokens each followed by the target's own greedy
+    continuation of `new_tokens`: the text a drafter meets when the target serves greedily (the
+    published recipe regenerates its responses with the target). Kept in `path` chunk by chunk,
+    so an interrupted run picks up where it stopped."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+
+    done = torch.load(path) if path.exists() else torch.empty(0, prompt_len + new_tokens, dtype=torch.long)
+    if len(done) >= count:
+        return done[:count]
+    served = load_checkpoint(target_path)  # the compiled forward, as served
+    rng = random.Random(seed * 7919 + len(done))
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    started, before = time.time(), len(done)
+    while len(done) < count:
+        chunk = min(64, count - len(done))
+        starts = [rng.randrange(0, len(data) - prompt_len) for _ in range(chunk)]
+        prompts = [data[s : s + prompt_len].tolist() for s in starts]
+        completions = generate(served, prompts, params)
+        rows = torch.tensor([c.prompt_tokens + c.tokens for c in completions], dtype=torch.long)
+        done = torch.cat((done, rows))
+        torch.save(done, path)
+        rate = (len(done) - before) * new_tokens / max(time.time() - started, 1e-9)
+        print(f"regenerated {len(done)}/{count} sequences ({rate:.0f} tokens/s)", file=sys.stderr, flush=True)
+    return done
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:
@@ -162,6 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--anchors", type=int, default=32)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--gamma", type=float, default=4.0)
+    parser.add_argument(
+        "--regenerate",
+        type=int,
+        default=0,
+        help="train on this many sequences of a --prompt-len window followed by the target's greedy continuation "
+        "to --seq-len (0: on the data as it is)",
+    )
+    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--init", type=Path, default=None, help="start from this drafter's weights (same shape)")
     parser.add_argument("--mask-token", type=int, default=None, help="default: the last id of the vocabulary")
     parser.add_argument("--data", type=Path, nargs="*", default=None)
     parser.add_argument("--held-out", type=Path, nargs="*", default=None)
@@ -178,9 +244,23 @@ def main(argv: list[str] | None = None) -> None:
     if len(data) < args.seq_len + 1:
         raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")
     draft = DFlashModel(draft_config(model, args))
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.init is not None:
+        draft.load_state_dict(load_dflash(args.init, model).state_dict())
     work = args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    if args.regenerate:
+        if not 0 < args.prompt_len < args.seq_len - args.block:
+            raise SystemExit(f"--prompt-len must be between 1 and --seq-len - --block ({args.seq_len - args.block})")
+        sequences = greedy_continuations(
+            args.target,
+            data,
+            args.regenerate,
+            args.prompt_len,
+            args.seq_len - args.prompt_len,
+            work / "greedy.pt",
+            args.seed,
+        )
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
     step, losses = 0, []
     if resume.exists():
@@ -194,11 +274,17 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     draft.train()
     while step < args.steps:
-        starts = [rng.randrange(0, len(data) - args.seq_len) for _ in range(args.batch)]
-        tokens = torch.stack([data[s : s + args.seq_len] for s in starts])
+        if args.regenerate:  # blocks start at the last prompt token or after: their labels are the target's
+            tokens = sequences[torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])]
+            first_anchor = args.prompt_len - 1
+        else:
+            starts = [rng.randrange(0, len(data) - args.seq_len) for _ in range(args.batch)]
+            tokens, first_anchor = torch.stack([data[s : s + args.seq_len] for s in starts]), 1
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
-        loss = block_loss(draft, model, tokens, min(args.anchors, args.seq_len - args.block), args.gamma, generator)
+        loss = block_loss(
+            draft, model, tokens, args.anchors, args.gamma, generator, first_anchor, greedy_labels=args.regenerate > 0
+        )
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -225,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
         "lr": args.lr,
         "gamma": args.gamma,
         "training_tokens": len(data),
+        "regenerated_sequences": args.regenerate,
+        "prompt_len": args.prompt_len if args.regenerate else None,
+        "init": str(args.init) if args.init else None,
         "first_loss": losses[0] if losses else None,
         "last_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "wall_seconds_this_run": round(time.time() - started, 1),
