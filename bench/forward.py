@@ -6,7 +6,9 @@ Decode and verify at batch 1 and 8 after 300 cached tokens, and a 350-token pref
 operators (float32), the compiled forward with float32 weights and with bfloat16 weights (widened
 to float32 as they are read: half the bytes to stream, the same float32 arithmetic); the three
 take turns shape by shape, repeat by repeat, so the machine's drift lands on all. Prints the
-median milliseconds of each and the compiled forwards' speed-ups over PyTorch operators.
+median milliseconds of each and the compiled forwards' speed-ups over PyTorch operators; then a
+DFlash drafter's two calls a round (drafting a block, extending the context) beside the target on
+PyTorch operators and on the compiled kernels.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from engine import native
 from engine.checkpoint import load_checkpoint
+from engine.dflash import DFlashDrafter, load_dflash
 from engine.model import ForwardBatch, Transformer
+from engine.request import Request, Sequence
 
 # name, rows, new tokens a row, cached tokens a row, timed forwards
 SHAPES = [
@@ -49,10 +54,39 @@ def time_forward(model: Transformer, rows: int, width: int, start: int, count: i
     return statistics.median(elapsed[1:]) * 1e3
 
 
+@torch.inference_mode()
+def time_dflash(drafter: DFlashDrafter, served: Transformer, rows: int, kept: int, count: int) -> tuple[float, float]:
+    """Median ms of a DFlash drafter's two calls a round after 300 context tokens a row: drafting
+    every row's block (k = B - 1) and extending every row's context by `kept` tokens."""
+    cache = served.new_cache(rows, 400)
+    slots = [cache.allocate() for _ in range(rows)]
+    context = [[(5 * p) % 97 + 1 for p in range(301)]] * rows
+    taps = served(served.batch(cache, slots, context), cache, capture=drafter.capture_layers).hidden
+    seqs = [Sequence(Request(tuple(c)), slot=s, generator=None, tokens=list(c)) for s, c in zip(slots, context)]
+    drafter.admit(seqs, taps)
+    block = torch.full((rows, drafter.config.block_size), drafter.config.mask_token_id)
+    drafting, extending = [], []
+    for _ in range(count + 1):
+        began = time.perf_counter()
+        drafter.block_logits([s.draft_slot for s in seqs], block, drafter.max_k)
+        drafting.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        drafter.accept(seqs, [kept - 1] * rows, taps)
+        extending.append(time.perf_counter() - began)
+        for seq in seqs:
+            drafter.cache.truncate(seq.draft_slot, 300)
+    for seq in seqs:
+        drafter.release(seq)
+    return statistics.median(drafting[1:]) * 1e3, statistics.median(extending[1:]) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/target")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--dflash", default="models/dflash", help="a DFlash drafter for the model, timed where it exists"
+    )
     args = parser.parse_args()
     forwards = {
         "PyTorch ops": load_checkpoint(args.model, native_forward=False).model,
@@ -71,6 +105,30 @@ def main() -> None:
         medians = [statistics.median(t) for t in times.values()]
         ratios = " / ".join(f"{medians[0] / m:.2f}x" for m in medians[1:])
         print(f"{name:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {ratios:>14}")
+    if not (Path(args.dflash) / "config.json").exists():
+        return
+    # The DFlash drafter beside each target: on PyTorch operators, or on the compiled kernels.
+    drafters = {
+        forward: DFlashDrafter(load_dflash(args.dflash, model), model, 4, 512)
+        for forward, model in list(forwards.items())[:2]
+    }
+    print(f"{args.dflash}: a block of {next(iter(drafters.values())).config.block_size}, 300 context tokens a row")
+    for rows, kept in ((1, 4), (4, 4)):
+        drafting: dict[str, list[float]] = {forward: [] for forward in drafters}
+        extending: dict[str, list[float]] = {forward: [] for forward in drafters}
+        for _ in range(args.repeats):
+            for forward, drafter in drafters.items():
+                draft_ms, extend_ms = time_dflash(drafter, forwards[forward], rows, kept, 50)
+                drafting[forward].append(draft_ms)
+                extending[forward].append(extend_ms)
+        for what, times in (
+            (f"dflash draft, batch {rows}", drafting),
+            (f"dflash context +{kept}, batch {rows}", extending),
+        ):
+            medians = [statistics.median(t) for t in times.values()]
+            print(
+                f"{what:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {'':>14} {medians[0] / medians[1]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 
 from control.bounded import clip
 from engine.config import (
+    DFLASH_KINDS,
     DRAFT_MODEL_KINDS,
     CheckpointError,
     inspect_checkpoint,
@@ -199,14 +200,14 @@ SCHEMA: Mapping[str, Section] = {
     "engine": Section(EngineSettings, live=False, doc="models, device and capacity", keys={
         "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
         "drafter": Key("str", "hybrid", "how drafts are proposed",
-                       choices=("draft_model", "hybrid", "ngram", "dflash", "none")),
+                       choices=("draft_model", "hybrid", "ngram", "dflash", "hybrid_dflash", "none")),
         "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model or hybrid"),
-        "dflash": Key("path", "models/dflash", "DFlash block drafter directory, used when drafter = dflash"),
+        "dflash": Key("path", "models/dflash", "DFlash drafter directory, used when drafter = dflash or hybrid_dflash"),
         "draft_quantization": Key(
             "str", "int8", "draft model linear layers: int8 (dynamic, CPU only) or none", choices=("int8", "none")
         ),
-        "ngram_min": Key("int", 1, "shortest n-gram the ngram and hybrid drafters match", lo=1),
-        "ngram_max": Key("int", 4, "longest n-gram the ngram and hybrid drafters match", lo=1),
+        "ngram_min": Key("int", 1, "shortest n-gram the lookup drafters (ngram, hybrid, hybrid_dflash) match", lo=1),
+        "ngram_max": Key("int", 4, "longest n-gram the lookup drafters (ngram, hybrid, hybrid_dflash) match", lo=1),
         "lookup_history": Key("int", 16384, "tokens of finished requests that lookups search too (0: own context only)",
                               lo=0, hi=1 << 24),
         "verification": Key("str", "block", "how sampled drafts are judged: block (the chain as a whole) or token",
@@ -681,7 +682,7 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
         except CheckpointError as err:
             issues.append(ConfigIssue(name, str(err)))
     dflash = values.get("engine.dflash")
-    if values.get("engine.drafter") == "dflash" and "engine.target" in found and dflash is not None:
+    if values.get("engine.drafter") in DFLASH_KINDS and "engine.target" in found and dflash is not None:
         try:
             inspect_dflash(dflash, found["engine.target"][1])
         except CheckpointError as err:

@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 
 from control.config import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.config import DRAFT_MODEL_KINDS
+from engine.config import DFLASH_KINDS, DRAFT_MODEL_KINDS
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
-from engine.dflash import DFlashDrafter, DFlashModel, load_dflash
+from engine.dflash import DFlashDrafter, DFlashModel, HybridDFlashDrafter, load_dflash
 from engine.drafters import Drafter, make_drafter
 from engine.loop import EngineLoop, StepObserver
 
@@ -31,7 +31,7 @@ class Models:
 
     target: Checkpoint
     draft: Checkpoint | None  # for the drafters that run a draft model
-    dflash: DFlashModel | None = None  # for the dflash drafter
+    dflash: DFlashModel | None = None  # for the dflash drafters
 
 
 def required_k(snapshot: ConfigSnapshot) -> tuple[int, ...]:
@@ -62,7 +62,7 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
                 f"the target {target.config.vocab_size}: they must share a tokenizer"
             )
     dflash = None
-    if "dflash" in kinds and settings.dflash is not None:
+    if kinds & set(DFLASH_KINDS) and settings.dflash is not None:
         with phase(f"load dflash {settings.dflash}"):
             dflash = load_dflash(settings.dflash, target.model)
     return Models(target, draft, dflash)
@@ -83,10 +83,16 @@ def build_controller(
     batch = max_batch_size or settings.max_batch_size
     seq_len = max_seq_len or settings.max_seq_len
     drafter: Drafter | None = None
-    if settings.drafter == "dflash":
+    if settings.drafter in DFLASH_KINDS:
         if models.dflash is None:
-            raise ValueError(f"drafter dflash needs a DFlash checkpoint (engine.dflash = {settings.dflash})")
-        drafter = DFlashDrafter(models.dflash, models.target.model, batch, seq_len)
+            raise ValueError(
+                f"drafter {settings.drafter} needs a DFlash checkpoint (engine.dflash = {settings.dflash})"
+            )
+        if settings.drafter == "dflash":
+            drafter = DFlashDrafter(models.dflash, models.target.model, batch, seq_len)
+        else:
+            lookups = (settings.ngram_min, settings.ngram_max, settings.lookup_history)
+            drafter = HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, *lookups)
     elif settings.drafter != "none":
         drafter = make_drafter(
             settings.drafter,

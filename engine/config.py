@@ -152,6 +152,8 @@ def _sliding_window(family: str, raw: dict[str, Any], source: str) -> int | None
 
 # The drafters that run a draft model, which [engine] draft names.
 DRAFT_MODEL_KINDS = ("draft_model", "hybrid")
+# The drafters that run a DFlash block drafter, which [engine] dflash names.
+DFLASH_KINDS = ("dflash", "hybrid_dflash")
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 

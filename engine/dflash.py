@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.config import CheckpointError, DFlashConfig, RopeConfig, inspect_dflash
-from engine.drafters import Proposal
+from engine.drafters import LookupFirst, NgramDrafter, Proposal
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
 from engine.native import NativeDFlash
@@ -295,3 +295,24 @@ class DFlashDrafter:
         if seq.draft_slot is not None:
             self.cache.release(seq.draft_slot)
             seq.draft_slot = None
+
+
+class HybridDFlashDrafter(LookupFirst, DFlashDrafter):
+    """Prompt lookup in front of the DFlash drafter (`LookupFirst`): a round whose sequences all
+    found a continuation in their context runs no drafter forward. The context is kept from the
+    target's hidden states whichever proposed, so nothing catches up."""
+
+    name = "hybrid_dflash"
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        target: Transformer,
+        max_batch_size: int,
+        max_seq_len: int,
+        min_n: int = 1,
+        max_n: int = 4,
+        history: int = 0,
+    ) -> None:
+        super().__init__(model, target, max_batch_size, max_seq_len)
+        self.lookups = NgramDrafter(min_n, max_n, history)

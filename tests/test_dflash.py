@@ -11,7 +11,15 @@ import torch
 
 from engine.config import CheckpointError
 from engine.core import Engine
-from engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_taps, load_dflash, save_dflash
+from engine.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    DFlashModel,
+    HybridDFlashDrafter,
+    default_taps,
+    load_dflash,
+    save_dflash,
+)
 from engine.generate import generate
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
@@ -81,6 +89,33 @@ def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair):
         for out in engine.step().outputs:
             outputs[out.request_id].extend(out.new_tokens)
     assert [outputs[r.id] for r in requests] == expected
+
+
+def test_lookups_in_front_of_dflash_stay_lossless_and_spare_its_forwards(pair):
+    """hybrid_dflash: lookups propose where the context has seen the last tokens, the block
+    drafter elsewhere; k changed at random every round, output equal to target-only."""
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    drafter = HybridDFlashDrafter(dflash_for(target.model), target.model, 4, MAX_SEQ_LEN)
+    forwards, lookups = [], []
+    block_logits, lookup = drafter.block_logits, drafter.lookups.propose
+    drafter.block_logits = lambda *args: forwards.append(args) or block_logits(*args)  # type: ignore[method-assign]
+    drafter.lookups.propose = lambda *args: lookups.append(lookup(*args)) or lookups[-1]  # type: ignore[method-assign]
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
+    rng = random.Random(1)
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    outputs = {r.id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work:
+        engine.select(rng.choice([0, 1, 2, 3, 5]))
+        for out in engine.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == expected
+    assert engine.state.stats.drafts_proposed > 0
+    # Both proposed: some rows' drafts were looked up, others drafted by the block drafter.
+    assert any(p.tokens for found in lookups for p in found) and forwards
 
 
 def test_the_context_cache_follows_the_target_and_rolls_back_exactly(pair):
@@ -211,7 +246,8 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
         load_dflash(tmp_path / "nowhere", target.model)
 
 
-def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp_path):
+@pytest.mark.parametrize("kind", ["dflash", "hybrid_dflash"])
+def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp_path, kind):
     from control.config import ConfigError, load_config
     from daemon.runtime import build_controller, load_models
     from engine.controller import Controller
@@ -220,12 +256,13 @@ def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp
     save_dflash(dflash_for(target.model), tmp_path / "dflash")
     config = tmp_path / "config.toml"
     config.write_text(
-        f'[engine]\ntarget = "{target.path}"\ndrafter = "dflash"\ndflash = "dflash"\nmax_seq_len = {MAX_SEQ_LEN}\n'
+        f'[engine]\ntarget = "{target.path}"\ndrafter = "{kind}"\ndflash = "dflash"\nmax_seq_len = {MAX_SEQ_LEN}\n'
         "[adaptive]\ncandidate_k = [0, 2, 5]\n"
     )
     snapshot = load_config(config, check_models=True)
     controller: Controller = build_controller(snapshot, load_models(snapshot), max_batch_size=2)
-    assert isinstance(controller.engine.drafter, DFlashDrafter)
+    drafter = controller.engine.drafter
+    assert isinstance(drafter, DFlashDrafter) and isinstance(drafter, HybridDFlashDrafter) == (kind == "hybrid_dflash")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
     for r in requests:
