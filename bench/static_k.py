@@ -45,7 +45,8 @@ def main() -> None:
         dflash=Path(args.dflash),
     )
     snapshot = replace(config, engine=engine)
-    kinds = ["draft_model", "ngram", "hybrid"] + (["dflash"] if (Path(args.dflash) / "config.json").exists() else [])
+    has_dflash = (Path(args.dflash) / "config.json").exists()
+    kinds = ["draft_model", "ngram", "hybrid"] + (["dflash", "hybrid_dflash"] if has_dflash else [])
     models = load_models(snapshot, kinds=kinds)
     tokenizer = models.target.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens)

@@ -74,21 +74,25 @@ def test_greedy_equals_target_only_for_every_k(pair, batch):
             assert engine.state.stats.drafts_proposed > 0
 
 
-def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair):
-    target, _ = pair
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    expected = [c.tokens for c in generate(target, PROMPTS, params)]
-    engine = engine_for(target, 4)
-    rng = random.Random(0)
+def serve_switching(engine: Engine, params: SamplingParams, seed: int) -> list[list[int]]:
+    """Every prompt's output, served together with k drawn at random at every boundary."""
+    rng = random.Random(seed)
     requests = [Request(tuple(p), params) for p in PROMPTS]
-    outputs = {r.id: [] for r in requests}
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
     for r in requests:
         engine.add_request(r)
     while engine.has_work:
         engine.select(rng.choice([0, 1, 2, 3, 5]))
         for out in engine.step().outputs:
             outputs[out.request_id].extend(out.new_tokens)
-    assert [outputs[r.id] for r in requests] == expected
+    return [outputs[r.id] for r in requests]
+
+
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair):
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    assert serve_switching(engine_for(target, 4), params, seed=0) == expected
 
 
 def test_lookups_in_front_of_dflash_stay_lossless_and_spare_its_forwards(pair):
@@ -103,16 +107,7 @@ def test_lookups_in_front_of_dflash_stay_lossless_and_spare_its_forwards(pair):
     drafter.block_logits = lambda *args: forwards.append(args) or block_logits(*args)  # type: ignore[method-assign]
     drafter.lookups.propose = lambda *args: lookups.append(lookup(*args)) or lookups[-1]  # type: ignore[method-assign]
     engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
-    rng = random.Random(1)
-    requests = [Request(tuple(p), params) for p in PROMPTS]
-    outputs = {r.id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_work:
-        engine.select(rng.choice([0, 1, 2, 3, 5]))
-        for out in engine.step().outputs:
-            outputs[out.request_id].extend(out.new_tokens)
-    assert [outputs[r.id] for r in requests] == expected
+    assert serve_switching(engine, params, seed=1) == expected
     assert engine.state.stats.drafts_proposed > 0
     # Both proposed: some rows' drafts were looked up, others drafted by the block drafter.
     assert any(p.tokens for found in lookups for p in found) and forwards
