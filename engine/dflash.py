@@ -3,11 +3,13 @@
 The target's hidden states at a few layers (the taps) are concatenated, projected to the hidden
 size and normed: the context features. Every draft layer turns them into keys and values (with
 its k-norm, and RoPE at their true positions), kept per sequence in the drafter's own cache as
-the target accepts tokens, and rolled back with it. A draft is one forward of the block
+the target accepts tokens (only kept tokens enter it, so nothing rolls back). A draft is one
+forward of the block
 [last accepted token, mask x (B-1)] whose queries see the whole context and the whole block
 (no causal mask inside the block); the outputs at block positions 1..k are the drafts. The
 newest token has no target hidden state yet, so the context lags it by one. The embedding and
-the LM head are the target's.
+the LM head are the target's. Beside a target on the compiled CPU kernels, both the context and
+the block run on them (engine/native.py `NativeDFlash`); elsewhere on PyTorch operators.
 
 The checkpoint is a directory: config.json (z-lab's keys: block_size, dflash_config with
 target_layer_ids and mask_token_id, and the shape of the draft layers) and model.safetensors.
