@@ -51,7 +51,7 @@ from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-DRAFTERS = ("draft_model", "hybrid", "ngram", "dflash", "hybrid_dflash", "none")
+DRAFTERS = ("draft_model", "hybrid", "ngram", "dflash", "hybrid_dflash", "eagle3", "none")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--target", default="models/target")
     parser.add_argument("--draft", default="models/draft")
     parser.add_argument("--dflash", default="models/dflash", help="a DFlash drafter, compared where it exists")
+    parser.add_argument("--eagle3", default="models/eagle3", help="an EAGLE-3 head, compared where it exists")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1)
@@ -43,10 +44,12 @@ def main() -> None:
         drafter="draft_model",
         draft_quantization="int8" if args.quantize else "none",
         dflash=Path(args.dflash),
+        eagle3=Path(args.eagle3),
     )
     snapshot = replace(config, engine=engine)
     has_dflash = (Path(args.dflash) / "config.json").exists()
     kinds = ["draft_model", "ngram", "hybrid"] + (["dflash", "hybrid_dflash"] if has_dflash else [])
+    kinds += ["eagle3"] if (Path(args.eagle3) / "config.json").exists() else []
     models = load_models(snapshot, kinds=kinds)
     tokenizer = models.target.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens)

@@ -25,9 +25,11 @@ from control.bounded import clip
 from engine.config import (
     DFLASH_KINDS,
     DRAFT_MODEL_KINDS,
+    EAGLE3_KINDS,
     CheckpointError,
     inspect_checkpoint,
     inspect_dflash,
+    inspect_eagle3,
     tokenizer_vocabulary,
 )
 from engine.policy import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
@@ -86,6 +88,7 @@ class EngineSettings:
     max_seq_len: int
     max_k: int
     dflash: Path | None = None
+    eagle3: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -200,9 +203,10 @@ SCHEMA: Mapping[str, Section] = {
     "engine": Section(EngineSettings, live=False, doc="models, device and capacity", keys={
         "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
         "drafter": Key("str", "hybrid", "how drafts are proposed",
-                       choices=("draft_model", "hybrid", "ngram", "dflash", "hybrid_dflash", "none")),
+                       choices=("draft_model", "hybrid", "ngram", "dflash", "hybrid_dflash", "eagle3", "none")),
         "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model or hybrid"),
         "dflash": Key("path", "models/dflash", "DFlash drafter directory, used when drafter = dflash or hybrid_dflash"),
+        "eagle3": Key("path", "models/eagle3", "EAGLE-3 head directory, used when drafter = eagle3"),
         "draft_quantization": Key(
             "str", "int8", "draft model linear layers: int8 (dynamic, CPU only) or none", choices=("int8", "none")
         ),
@@ -687,6 +691,12 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
             inspect_dflash(dflash, found["engine.target"][1])
         except CheckpointError as err:
             issues.append(ConfigIssue("engine.dflash", str(err)))
+    eagle3 = values.get("engine.eagle3")
+    if values.get("engine.drafter") in EAGLE3_KINDS and "engine.target" in found and eagle3 is not None:
+        try:
+            inspect_eagle3(eagle3, found["engine.target"][1])
+        except CheckpointError as err:
+            issues.append(ConfigIssue("engine.eagle3", str(err)))
     if len(found) == 2:
         (target, target_config), (draft, draft_config) = found["engine.target"], found["engine.draft"]
         same_vocabulary = tokenizer_vocabulary(draft) == tokenizer_vocabulary(target)

@@ -10,11 +10,12 @@ from dataclasses import dataclass, replace
 
 from control.config import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.config import DFLASH_KINDS, DRAFT_MODEL_KINDS
+from engine.config import DFLASH_KINDS, DRAFT_MODEL_KINDS, EAGLE3_KINDS
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
 from engine.dflash import DFlashDrafter, DFlashModel, HybridDFlashDrafter, load_dflash
 from engine.drafters import Drafter, make_drafter
+from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3
 from engine.loop import EngineLoop, StepObserver
 
 # Wraps each slow phase of assembling an engine, named, so that start-up can report it.
@@ -32,6 +33,7 @@ class Models:
     target: Checkpoint
     draft: Checkpoint | None  # for the drafters that run a draft model
     dflash: DFlashModel | None = None  # for the dflash drafters
+    eagle3: Eagle3Model | None = None  # for the eagle3 drafter
 
 
 def required_k(snapshot: ConfigSnapshot) -> tuple[int, ...]:
@@ -65,7 +67,11 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
     if kinds & set(DFLASH_KINDS) and settings.dflash is not None:
         with phase(f"load dflash {settings.dflash}"):
             dflash = load_dflash(settings.dflash, target.model)
-    return Models(target, draft, dflash)
+    eagle3 = None
+    if kinds & set(EAGLE3_KINDS) and settings.eagle3 is not None:
+        with phase(f"load eagle3 {settings.eagle3}"):
+            eagle3 = load_eagle3(settings.eagle3, target.model)
+    return Models(target, draft, dflash, eagle3)
 
 
 def build_controller(
@@ -93,6 +99,10 @@ def build_controller(
         else:
             lookups = (settings.ngram_min, settings.ngram_max, settings.lookup_history)
             drafter = HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, *lookups)
+    elif settings.drafter in EAGLE3_KINDS:
+        if models.eagle3 is None:
+            raise ValueError(f"drafter {settings.drafter} needs an EAGLE-3 head (engine.eagle3 = {settings.eagle3})")
+        drafter = Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len)
     elif settings.drafter != "none":
         drafter = make_drafter(
             settings.drafter,

@@ -154,6 +154,8 @@ def _sliding_window(family: str, raw: dict[str, Any], source: str) -> int | None
 DRAFT_MODEL_KINDS = ("draft_model", "hybrid")
 # The drafters that run a DFlash block drafter, which [engine] dflash names.
 DFLASH_KINDS = ("dflash", "hybrid_dflash")
+# The drafters that run an EAGLE-3 head, which [engine] eagle3 names.
+EAGLE3_KINDS = ("eagle3",)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -250,20 +252,145 @@ def dflash_problems(config: DFlashConfig, target: ModelConfig) -> list[str]:
     return problems
 
 
-def inspect_dflash(path: Path, target: ModelConfig) -> DFlashConfig:
-    """A DFlash checkpoint directory's config, checked against the target, without its weights."""
+def read_drafter_config(path: Path, kind: str) -> dict[str, Any]:
+    """The raw config.json of a drafter directory that also holds model.safetensors."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such directory")
     if not (path / "model.safetensors").is_file():
-        raise CheckpointError(f"{path}: not a DFlash checkpoint, missing model.safetensors")
+        raise CheckpointError(f"{path}: not {kind} checkpoint, missing model.safetensors")
     try:
         raw = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: not a DFlash checkpoint, missing config.json") from None
+        raise CheckpointError(f"{path}: not {kind} checkpoint, missing config.json") from None
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path / 'config.json'}: invalid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path / 'config.json'}: not a JSON object")
+    return raw
+
+
+def inspect_dflash(path: Path, target: ModelConfig) -> DFlashConfig:
+    """A DFlash checkpoint directory's config, checked against the target, without its weights."""
+    raw = read_drafter_config(path, "a DFlash")
     config = DFlashConfig.from_json(raw, str(path / "config.json"))
     problems = dflash_problems(config, target)
+    if problems:
+        raise CheckpointError(f"{path}: does not fit the target: " + "; ".join(problems))
+    return config
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """An EAGLE-3 head, in the layout SpecForge and the EAGLE-3 reference write: `config.json` as
+    a one-layer Llama (architectures LlamaForCausalLMEagle3) with `draft_vocab_size`, the tapped
+    layers under `eagle_config.eagle_aux_hidden_state_layer_ids` (the output of each layer, as
+    SGLang reads them) and, where it differs from hidden_size, `target_hidden_size`."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_layer_ids: tuple[int, ...] | None  # None: SGLang's default for the target (eagle3_taps)
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    target: str = ""  # the name of the target it was trained for
+
+    def to_json(self) -> dict:
+        raw: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "tie_word_embeddings": False,
+            "target": self.target,
+        }
+        if self.rope.kind != "default":
+            rope = asdict(self.rope)
+            rope["rope_type"] = rope.pop("kind")
+            raw["rope_scaling"] = {k: v for k, v in rope.items() if k != "theta"}
+        if self.target_layer_ids is not None:
+            raw["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": list(self.target_layer_ids),
+                "use_aux_hidden_state": True,
+            }
+        return raw
+
+    @classmethod
+    def from_json(cls, raw: dict, source: str = "config.json") -> Eagle3Config:
+        layers = raw.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise CheckpointError(f"{source}: an EAGLE-3 head has one decoder layer, this config has {layers}")
+        try:
+            hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+            eagle = raw.get("eagle_config") or {}
+            taps = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
+            vocab = int(raw["vocab_size"])
+            return cls(
+                hidden_size=hidden,
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                intermediate_size=int(raw["intermediate_size"]),
+                vocab_size=vocab,
+                draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
+                target_hidden_size=int(raw.get("target_hidden_size") or hidden),
+                target_layer_ids=tuple(int(i) for i in taps) if taps else None,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope=_rope_from_hf(raw, source),
+                target=str(raw.get("target", "")),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{source}: not an EAGLE-3 config ({type(err).__name__}: {err})") from None
+
+
+def eagle3_taps(config: Eagle3Config, target: ModelConfig) -> tuple[int, ...]:
+    """The target layers whose outputs the head reads: the checkpoint's, or SGLang's default (the
+    inputs of layers 2, L/2 and L-3, that is the outputs of layers 1, L/2 - 1 and L-4)."""
+    if config.target_layer_ids is not None:
+        return config.target_layer_ids
+    layers = target.num_layers
+    return tuple(max(0, i) for i in (1, layers // 2 - 1, layers - 4))
+
+
+def eagle3_problems(config: Eagle3Config, target: ModelConfig) -> list[str]:
+    """Each way an EAGLE-3 head does not fit a target, in words."""
+    problems = []
+    if config.target_hidden_size != target.hidden_size:
+        problems.append(f"target hidden size {config.target_hidden_size}, the target's {target.hidden_size}")
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size}, the target's embedding width {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary of {config.vocab_size}, the target's {target.vocab_size}")
+    if not 0 < config.draft_vocab_size <= config.vocab_size:
+        problems.append(f"draft vocabulary of {config.draft_vocab_size} (needs 1..{config.vocab_size})")
+    taps = eagle3_taps(config, target)
+    if len(taps) != 3:
+        problems.append(f"{len(taps)} tapped layers {list(taps)} (EAGLE-3 reads three)")
+    outside = [i for i in taps if not 0 <= i < target.num_layers]
+    if outside:
+        problems.append(f"taps {outside} outside the target's layers 0..{target.num_layers - 1}")
+    return problems
+
+
+def inspect_eagle3(path: Path, target: ModelConfig) -> Eagle3Config:
+    """An EAGLE-3 head directory's config, checked against the target, without its weights."""
+    raw = read_drafter_config(path, "an EAGLE-3")
+    config = Eagle3Config.from_json(raw, str(path / "config.json"))
+    problems = eagle3_problems(config, target)
     if problems:
         raise CheckpointError(f"{path}: does not fit the target: " + "; ".join(problems))
     return config

@@ -48,6 +48,7 @@ from engine.dflash import (  # noqa: E402
     load_dflash,
     save_dflash,
 )
+from engine.drafters import Drafter  # noqa: E402
 from engine.model import Transformer  # noqa: E402
 
 
@@ -186,14 +187,14 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 
 @torch.inference_mode()
-def held_out_acceptance(target: Checkpoint, draft: DFlashModel, prompts: list[str], tokens: int = 96) -> dict:
-    """Serve held-out prompts at k = B - 1, greedy, batch 1: drafts kept per block position."""
+def held_out_acceptance(target: Checkpoint, drafter: Drafter, k: int, prompts: list[str], tokens: int = 96) -> dict:
+    """Serve held-out prompts at k, greedy, batch 1 (the drafter made for batch 1 and 2048
+    positions): the drafts kept per round and per draft position."""
     from engine.core import Engine
     from engine.request import Request
     from engine.sampling import SamplingParams
 
-    k = draft.config.block_size - 1
-    engine = Engine(target, DFlashDrafter(draft, target.model, 1, 2048), 1, 2048, [k], initial_k=k)
+    engine = Engine(target, drafter, 1, 2048, [k], initial_k=k)
     params = SamplingParams(max_tokens=tokens)
     for prompt in prompts:
         ids = target.tokenizer.encode(prompt).ids[-(2048 - tokens - 8) :]
@@ -325,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         prompts = code_prompts(args.prompts, seed=args.seed + 1) if not args.held_out else []
         if prompts:
             served = load_checkpoint(args.target)
-            report["held_out"] = held_out_acceptance(served, draft.to(served.model.embed_tokens.weight.device), prompts)
+            drafter = DFlashDrafter(draft.to(served.model.embed_tokens.weight.device), served.model, 1, 2048)
+            report["held_out"] = held_out_acceptance(served, drafter, args.block - 1, prompts)
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

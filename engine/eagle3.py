@@ -1,0 +1,298 @@
+"""EAGLE-3: a one-layer head that drafts a chain from the target's own hidden states.
+
+The target's outputs at three layers (low, middle, high) are concatenated and projected to the
+hidden size by `fc`: the feature of a position. The head's one decoder layer reads, at position
+p, the normed embedding of token p + 1 beside the normed feature of position p (its q, k and v
+map that width 2H), keeps the feature as its residual stream, and predicts token p + 2 through
+its own LM head (over a reduced draft vocabulary, mapped back by `d2t`, where the checkpoint has
+one). A chain feeds the layer's output back as the next position's feature, beside the embedding
+of the token it just drafted, as SGLang's topk = 1 EAGLE worker does.
+
+Per sequence the head keeps its own keys and values: one entry per position the target has
+verified (from the target's features), then the current chain's entries past them, overwritten
+by the next round. After each verify the kept positions become entries (the draft-extend), and
+the last one's output is already the next chain's first draft.
+
+The checkpoint is a directory in the layout SpecForge and the EAGLE-3 reference write (see
+`Eagle3Config`): config.json and model.safetensors with fc, midlayer.*, norm, lm_head, and d2t
+and t2d when the draft vocabulary is reduced. The embedding is the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Seq
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from engine.config import CheckpointError, Eagle3Config, eagle3_taps, inspect_eagle3
+from engine.drafters import Proposal
+from engine.kv_cache import KVCache
+from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
+from engine.request import Sequence
+from engine.sampling import sample, target_probs
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        width = 2 * config.hidden_size  # the embedding and the feature side by side
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(width, config.num_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Eagle3MLP(config)
+
+
+class Eagle3Model(nn.Module):
+    """The head's weights, named as the published checkpoints name them, and its phases: `qkv`
+    of a position's embedding and feature, then `finish` once the attention ran, then `logits`."""
+
+    def __init__(self, config: Eagle3Config, taps: tuple[int, ...]) -> None:
+        super().__init__()
+        self.config = config
+        self.taps = taps  # the target layers it reads, resolved against the target
+        self.fc = nn.Linear(len(taps) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        if config.draft_vocab_size < config.vocab_size:
+            # Draft id d is target id d + d2t[d]; t2d marks the target ids the head can draft.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        inv_freq = rope_inverse_frequencies(config.rope, config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin for `positions` (any shape), with a heads axis before the last."""
+        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
+        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+        sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # apply_rope's rotate_half, folded in
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+    def features(self, taps: Tensor) -> Tensor:
+        """The feature of the target's tapped hidden states side by side ([..., taps * H])."""
+        return self.fc(taps)
+
+    def qkv(self, embeds: Tensor, features: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values ([..., heads, D]) of positions whose next token's embedding is
+        `embeds` and whose feature is `features` ([..., H] each)."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(features)), dim=-1)
+        cos, sin = self.rope(positions)
+        q = apply_rope(attn.q_proj(x).unflatten(-1, (attn.heads, attn.head_dim)), cos, sin)
+        k = apply_rope(attn.k_proj(x).unflatten(-1, (attn.kv_heads, attn.head_dim)), cos, sin)
+        return q, k, attn.v_proj(x).unflatten(-1, (attn.kv_heads, attn.head_dim))
+
+    def finish(self, attended: Tensor, features: Tensor) -> Tensor:
+        """The layer's output feature from the attention's output ([..., heads, D]); the residual
+        stream is the input feature."""
+        layer = self.midlayer
+        x = features + layer.self_attn.o_proj(attended.flatten(-2))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, out: Tensor) -> Tensor:
+        """Logits over the target's vocabulary of an output feature (ids outside a reduced draft
+        vocabulary at -inf)."""
+        logits = self.lm_head(self.norm(out))
+        if logits.shape[-1] == self.config.vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_to_target(), logits)
+
+    def draft_to_target(self) -> Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+
+def save_eagle3(model: Eagle3Model, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+
+
+def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
+    path = Path(path)
+    config = inspect_eagle3(path, target.config)  # the config, checked against the target
+    model = Eagle3Model(config, eagle3_taps(config, target.config))
+    weights = path / "model.safetensors"
+    state = load_file(str(weights))
+    state.pop("embed_tokens.weight", None)  # some heads carry the target's embedding: the target's is used
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"{weights}: {what}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{weights}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+    if "d2t" in state:
+        ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
+        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+            raise CheckpointError(f"{weights}: d2t maps draft ids outside the vocabulary (0..{config.vocab_size - 1})")
+    model.load_state_dict({k: v.long() if k == "d2t" else v for k, v in state.items()})
+    # On a CPU the head runs in float32; elsewhere in the target's dtype.
+    device = target.embed_tokens.weight.device
+    dtype = torch.float32 if device.type == "cpu" else target.embed_tokens.weight.dtype
+    model.to(device=device, dtype=dtype)
+    if "d2t" in state:
+        model.d2t = model.d2t.long()  # the dtype cast must not touch the maps
+        model.t2d = model.t2d.bool()
+    return model.eval().requires_grad_(False)
+
+
+class Eagle3Drafter:
+    """The drafter protocol (engine/drafters.py) over an EAGLE-3 head and its own cache."""
+
+    name = "eagle3"
+
+    def __init__(self, model: Eagle3Model, target: Transformer, max_batch_size: int, max_seq_len: int) -> None:
+        self.model = model
+        self.target = target
+        self.capture_layers: tuple[int, ...] = model.taps
+        config, param = model.config, model.fc.weight
+        self.cache = KVCache(
+            1, max_batch_size, max_seq_len, config.num_kv_heads, config.head_dim, dtype=param.dtype, device=param.device
+        )
+        # Per slot: the logits and output feature of its last verified position, whose argmax
+        # is the next chain's first draft.
+        self.next_logits = torch.zeros(max_batch_size, config.vocab_size, dtype=param.dtype, device=param.device)
+        self.next_feature = torch.zeros(max_batch_size, config.hidden_size, dtype=param.dtype, device=param.device)
+
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
+        """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
+        for seq in seqs:
+            seq.draft_slot = self.cache.allocate()
+        self.extend(seqs, [len(seq.tokens) - 1 for seq in seqs], hidden)  # all but the newest went through
+
+    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
+        """The pending token and the kept drafts become entries (from the verify's hidden states);
+        the chain's own entries past them are overwritten."""
+        self.extend(seqs, [kept + 1 for kept in accepted], hidden)
+
+    @torch.inference_mode()
+    def extend(self, seqs: Seq[Sequence], counts: Seq[int], hidden: dict[int, Tensor]) -> None:
+        """Row r's first counts[r] tapped hidden states (`hidden`: per tap [rows, width, H]) become
+        entries of seqs[r] at its next positions; each sequence's last one gives its next draft."""
+        model, device = self.model, self.model.fc.weight.device
+        taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)
+        rows = [(row, seq, count) for row, (seq, count) in enumerate(zip(seqs, counts)) if count > 0]
+        if not rows:
+            return
+        slots, positions, next_tokens = [], [], []
+        pieces = []
+        for row, seq, count in rows:
+            start = self.cache.lengths[seq.draft_slot]
+            slots += [seq.draft_slot] * count
+            positions += range(start, start + count)
+            next_tokens += seq.tokens[start + 1 : start + count + 1]  # position p reads token p + 1
+            pieces.append(taps[row, :count])
+            self.cache.lengths[seq.draft_slot] = start + count
+        features = model.features(torch.cat(pieces).to(model.fc.weight.dtype))
+        embeds = self.target.embed_tokens(torch.tensor(next_tokens, device=device)).to(features.dtype)
+        where = torch.tensor(positions, device=device)
+        q, k, v = model.qkv(embeds, features, where)
+        index = torch.tensor(slots, device=device)
+        self.cache.k[0, index, where] = k
+        self.cache.v[0, index, where] = v
+        # Only each sequence's last entry needs the rest of the layer: its output starts the chain.
+        ends = torch.tensor(list(accumulate(count for _, _, count in rows)), device=device) - 1
+        last = [seq.draft_slot for _, seq, _ in rows]
+        self._advance(last, where[ends], q[ends], features[ends])
+
+    def _advance(self, slots: list[int], positions: Tensor, q: Tensor, features: Tensor) -> Tensor:
+        """Attend from one position per slot (its keys and values already in the cache) to its
+        entries up to there; the outputs' logits and features become the slots' next."""
+        index = torch.tensor(slots, device=positions.device)
+        width = int(positions.max()) + 1
+        keys = self.cache.k[0, index, :width].transpose(1, 2)
+        values = self.cache.v[0, index, :width].transpose(1, 2)
+        mask = (torch.arange(width, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
+        feature = self.model.finish(out[:, :, 0], features)
+        logits = self.model.logits(feature)
+        self.next_logits[index] = logits
+        self.next_feature[index] = feature
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
+        probs: list[list[Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if not active:
+            return proposals
+        logits = self.next_logits[[seqs[i].draft_slot for i in active]]
+        step = 0
+        while True:
+            tokens = logits.argmax(dim=-1).tolist()
+            for row, i in enumerate(active):
+                seq = seqs[i]
+                if not seq.params.greedy:
+                    q = target_probs(logits[row], seq.params)
+                    tokens[row] = sample(q, seq.generator)
+                    probs[i].append(q)
+                proposals[i].tokens.append(tokens[row])
+            # Sequences that want more drafts, and have room for the chain's next entry.
+            going = [
+                row
+                for row, i in enumerate(active)
+                if len(proposals[i].tokens) < ks[i]
+                and self.cache.lengths[seqs[i].draft_slot] + step < self.cache.max_seq_len
+            ]
+            if not going:
+                break
+            slots = [seqs[active[row]].draft_slot for row in going]
+            logits = self.draft(slots, [tokens[row] for row in going], step)
+            active = [active[row] for row in going]
+            step += 1
+        for i, q in enumerate(probs):
+            if q:
+                proposals[i].probs = torch.stack(q)
+        return proposals
+
+    def draft(self, slots: list[int], tokens: list[int], step: int) -> Tensor:
+        """One draft step: each slot's chain entry `step` past its verified ones, reading the token
+        just drafted and the feature its last step output. The logits of the next draft [rows, V]."""
+        device = self.model.fc.weight.device
+        positions = torch.tensor([self.cache.lengths[s] + step for s in slots], device=device)
+        features = self.next_feature[slots]
+        embeds = self.target.embed_tokens(torch.tensor(tokens, device=device)).to(features.dtype)
+        q, k, v = self.model.qkv(embeds, features, positions)
+        index = torch.tensor(slots, device=device)
+        self.cache.k[0, index, positions] = k
+        self.cache.v[0, index, positions] = v
+        return self._advance(slots, positions, q, features)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.draft_slot is not None:
+            self.cache.release(seq.draft_slot)
+            seq.draft_slot = None

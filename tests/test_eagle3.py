@@ -1,0 +1,354 @@
+"""The EAGLE-3 head: lossless at every k and under switching, its chain the one it was trained to
+draft, its cache in step with the target, and the published checkpoint layout loaded and checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import CheckpointError, Eagle3Config, ModelConfig, eagle3_taps
+from engine.core import Engine
+from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3
+from engine.generate import generate
+from engine.request import Request, Sequence
+from engine.sampling import SamplingParams
+from tests.conftest import ROOT
+from tests.test_dflash import serve_switching
+from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginals, exact_marginals
+
+
+def head_for(target, draft_vocab: int | None = None, seed: int = 0, taps: tuple[int, ...] | None = None) -> Eagle3Model:
+    """An untrained head shaped for `target` (its drafts mostly wrong: every kind of rejection
+    happens), with a reduced draft vocabulary of `draft_vocab` ids if given."""
+    tc = target.config
+    config = Eagle3Config(
+        hidden_size=tc.hidden_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=draft_vocab or tc.vocab_size,
+        target_hidden_size=tc.hidden_size,
+        target_layer_ids=taps,
+        rms_norm_eps=tc.rms_norm_eps,
+    )
+    torch.manual_seed(seed)
+    model = Eagle3Model(config, eagle3_taps(config, tc))
+    for param in model.parameters():
+        if param.dim() > 1:
+            param.data.normal_(0, 0.2)
+    if draft_vocab:  # every other id, from the top: the maps are not the identity
+        ids = torch.arange(tc.vocab_size - 1, -1, -2)[:draft_vocab].sort().values
+        model.d2t.copy_(ids - torch.arange(draft_vocab))
+        model.t2d.zero_()
+        model.t2d[ids] = True
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def trained_head(pair) -> Eagle3Model:
+    """A head trained a few seconds on the target's own greedy continuations of the test prompts,
+    with the training script's loss: it keeps some drafts and loses others, so rounds end in every
+    way (all kept, some, none)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_eagle3 import ttt_loss
+
+    target, _ = pair
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    tokens = torch.tensor([(p + c.tokens)[:42] for p, c in zip(PROMPTS, generate(target, PROMPTS, params))])
+    head = head_for(target.model, taps=(0, 1, 1)).train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        loss, _ = ttt_loss(head, target.model, tokens, 16, 4, 0.8, generator)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval().requires_grad_(False)
+
+
+def engine_for(target, batch: int, ks=(0, 1, 2, 3, 5), initial: int | None = None, **head) -> Engine:
+    drafter = Eagle3Drafter(head_for(target.model, **head), target.model, batch, MAX_SEQ_LEN)
+    return Engine(target, drafter, batch, MAX_SEQ_LEN, ks, initial_k=initial)
+
+
+def test_sglang_default_taps_are_the_outputs_before_layers_2_l_half_and_l_minus_3():
+    target = ModelConfig("llama", 64, 64, 96, num_layers=32, num_heads=4, num_kv_heads=2, head_dim=16)
+    config = Eagle3Config(64, 4, 2, 16, 96, 64, 64, 64, target_layer_ids=None)
+    assert eagle3_taps(config, target) == (1, 15, 28)
+    assert eagle3_taps(replace(config, target_layer_ids=(2, 3, 4)), target) == (2, 3, 4)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_target_only_for_every_k(pair, batch):
+    target, _ = pair
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS[:batch]
+    expected = [c.tokens for c in generate(target, prompts, params)]
+    for k in (0, 1, 2, 3, 5, 8):
+        engine = engine_for(target, batch, (k,), k)
+        requests = [Request(tuple(p), params) for p in prompts]
+        outputs = engine.run_until_done(requests)
+        assert [outputs[r.id] for r in requests] == expected, f"k={k}"
+        if k:
+            assert engine.state.stats.drafts_proposed > 0
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_head, trained):
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    head = trained_head if trained else head_for(target.model)
+    engine = Engine(target, Eagle3Drafter(head, target.model, 4, MAX_SEQ_LEN), 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
+    assert serve_switching(engine, params, seed=2) == expected
+    proposed = sum(state.stats.drafts_proposed for state in engine.states.values())
+    accepted = sum(state.stats.drafts_accepted for state in engine.states.values())
+    assert proposed > 0
+    if trained:
+        assert 0 < accepted < proposed  # kept some, rejected others
+
+
+def test_a_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(pair):
+    target, _ = pair
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS[:2], params)]
+    engine = engine_for(target, 2, (3,), 3, draft_vocab=20)
+    drafter: Eagle3Drafter = engine.drafter  # type: ignore[assignment]
+    drafted: list[int] = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: [drafted.extend(p.tokens) or p for p in propose(*a)]  # type: ignore[method-assign]
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == expected
+    allowed = set(drafter.model.draft_to_target().tolist())
+    assert drafted and set(drafted) <= allowed and len(allowed) == 20
+
+
+def test_the_served_chain_is_the_unroll_it_was_trained_on(pair):
+    """tools/train_eagle3.py computes a chain's logits (training-time test) as the drafter does
+    when serving: the same tokens give the same logits at every step of the chain."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_eagle3 import chain_attention
+
+    target, _ = pair
+    head = head_for(target.model, taps=(0, 1, 1))
+    tokens = torch.tensor([PROMPTS[0] + PROMPTS[2] + PROMPTS[1]])
+    start, unroll = 9, 4
+    with torch.no_grad():
+        _, taps = target.model.train_layers(tokens, head.taps)
+        embeds = target.model.embed_tokens(tokens).float()
+        features = head.features(torch.cat([taps[i] for i in head.taps], dim=-1).float())
+        entries = tokens.shape[1] - 1
+        _, keys, values = head.qkv(embeds[:, 1:], features[:, :entries], torch.arange(entries))
+        starts, rows = torch.tensor([[start]]), torch.arange(1)[:, None]
+        feature, own, trained = features[rows, starts], [], []
+        for j in range(unroll):
+            q, k, v = head.qkv(embeds[rows, starts + j + 1], feature, starts + j)
+            if j > 0:
+                own.append((k, v))
+            feature = head.finish(chain_attention(q, keys, values, starts, own), feature)
+            trained.append(head.logits(feature)[0, 0])
+
+    drafter = Eagle3Drafter(head, target.model, 1, MAX_SEQ_LEN)
+    prefix = tokens[0, : start + 2].tolist()  # positions 0..start went through the target
+    cache = target.model.new_cache(1, MAX_SEQ_LEN)
+    slot = cache.allocate()
+    hidden = target.model(target.model.batch(cache, [slot], [prefix[:-1]]), cache, capture=drafter.capture_layers)
+    seq = Sequence(Request(tuple(prefix), SamplingParams()), slot=0, generator=None, tokens=list(prefix))
+    drafter.admit([seq], hidden.hidden)
+    served = [drafter.next_logits[seq.draft_slot].clone()]
+    for j in range(1, unroll):
+        served.append(drafter.draft([seq.draft_slot], [int(tokens[0, start + 1 + j])], j - 1)[0])
+    for j in range(unroll):
+        assert torch.allclose(served[j], trained[j], atol=1e-4), f"step {j}"
+
+
+def test_the_cache_follows_the_target_and_rolls_back_exactly(pair, trained_head):
+    """After rounds of drafting, keeping and rejecting, the head's entries equal those built fresh
+    from the target's own forward over the same tokens: nothing of a rejected chain is left."""
+    target, _ = pair
+    drafter = Eagle3Drafter(trained_head, target.model, 1, MAX_SEQ_LEN)
+    engine = Engine(target, drafter, 1, MAX_SEQ_LEN, (3,), initial_k=3)
+    engine.add_request(Request(tuple(PROMPTS[2]), SamplingParams(max_tokens=20, ignore_eos=True)))
+    for _ in range(4):
+        engine.step()
+    (seq,) = engine.running
+    assert engine.state.stats.drafts_proposed > engine.state.stats.drafts_accepted > 0
+    length = drafter.cache.lengths[seq.draft_slot]
+    assert length == len(seq.tokens) - 1  # one entry per position the target verified
+
+    cache = target.model.new_cache(1, MAX_SEQ_LEN)
+    slot = cache.allocate()
+    hidden = target.model(target.model.batch(cache, [slot], [seq.tokens[:-1]]), cache, capture=drafter.capture_layers)
+    fresh = Eagle3Drafter(drafter.model, target.model, 1, MAX_SEQ_LEN)
+    twin = Sequence(seq.request, slot=0, generator=None, tokens=list(seq.tokens))
+    fresh.admit([twin], hidden.hidden)
+    for built, rebuilt in ((drafter.cache.k, fresh.cache.k), (drafter.cache.v, fresh.cache.v)):
+        assert torch.allclose(built[0, seq.draft_slot, :length], rebuilt[0, twin.draft_slot, :length], atol=1e-4)
+    assert torch.allclose(drafter.next_logits[seq.draft_slot], fresh.next_logits[twin.draft_slot], atol=1e-4)
+
+
+@pytest.mark.parametrize("verification", ["block", "token"])
+def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification):
+    target, _ = tiny_vocab_pair
+    prompt = tuple(range(8)) * 2
+    base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    with torch.inference_mode():
+        marginals = exact_marginals(target, prompt, base, 3)
+    drafter = Eagle3Drafter(head_for(target.model), target.model, 16, 32)
+    engine = Engine(target, drafter, 16, 32, [2], verification=verification)
+    requests = [
+        Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
+        for s in range(1500)
+    ]
+    outputs = engine.run_until_done(requests)
+    assert engine.state.stats.drafts_proposed > 0
+    assert_follows_marginals(outputs, requests, marginals)
+
+
+def published_head(model: Eagle3Model, path, **config) -> None:
+    """`model` written as SpecForge writes a head: its config keys, the taps under eagle_config,
+    the target's embedding carried along, d2t and t2d beside the weights."""
+    save_eagle3(model, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("target", None)
+    raw.update({"torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True}, **config)
+    (path / "config.json").write_text(json.dumps(raw))
+    state = load_file(str(path / "model.safetensors"))
+    state["embed_tokens.weight"] = torch.zeros(model.config.vocab_size, model.config.hidden_size)
+    save_file(
+        {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
+        str(path / "model.safetensors"),
+    )
+
+
+def test_a_head_in_the_published_layout_loads_and_drafts_what_it_did(pair, tmp_path):
+    target, _ = pair
+    model = head_for(target.model, draft_vocab=24, taps=(0, 1, 1))
+    published_head(model, tmp_path / "head")
+    raw = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 24
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    names = set(load_file(str(tmp_path / "head" / "model.safetensors")))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "d2t", "t2d"} <= names
+
+    loaded = load_eagle3(tmp_path / "head", target.model)
+    assert loaded.taps == (0, 1, 1) and torch.equal(loaded.d2t, model.d2t) and loaded.d2t.dtype == torch.long
+    feature = torch.randn(3, target.model.config.hidden_size)
+    with torch.no_grad():
+        expected = model.logits(feature).argmax(-1)
+        assert torch.equal(loaded.logits(feature).argmax(-1), expected)  # bfloat16 weights, the same choices
+        assert bool(loaded.t2d[expected].all())
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = Engine(target, Eagle3Drafter(loaded, target.model, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [3], initial_k=3)
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+
+
+def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
+    target, _ = pair
+    model = head_for(target.model)
+    save_eagle3(model, tmp_path / "head")
+    loaded = load_eagle3(tmp_path / "head", target.model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name])
+    raw = json.loads((tmp_path / "head" / "config.json").read_text())
+
+    def broken(name: str, edit, weights=None) -> str:
+        bad = tmp_path / name
+        save_eagle3(model, bad)
+        edited = json.loads(json.dumps(raw))
+        edit(edited)
+        (bad / "config.json").write_text(json.dumps(edited))
+        if weights:
+            state = load_file(str(bad / "model.safetensors"))
+            weights(state)
+            save_file(state, str(bad / "model.safetensors"))
+        with pytest.raises(CheckpointError) as caught:
+            load_eagle3(bad, target.model)
+        return str(caught.value)
+
+    assert "hidden size 32" in broken("hidden", lambda c: c.update(target_hidden_size=32))
+    assert "vocabulary of 10" in broken("vocab", lambda c: c.update(vocab_size=10))
+    taps = {"eagle_aux_hidden_state_layer_ids": [0, 1, 7]}
+    assert "taps [7] outside" in broken("taps", lambda c: c.update(eagle_config=taps))
+    assert "three" in broken("two", lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1]}))
+    assert "one decoder layer" in broken("layers", lambda c: c.update(num_hidden_layers=2))
+    assert "not an EAGLE-3 config" in broken("plain", lambda c: c.pop("hidden_size"))
+    assert "missing ['fc.weight']" in broken("fc", lambda c: None, lambda s: s.pop("fc.weight"))
+    assert "q_proj.weight has shape" in broken(
+        "shape", lambda c: None, lambda s: s.update({"midlayer.self_attn.q_proj.weight": torch.zeros(3, 3)})
+    )
+    reduced = tmp_path / "reduced"
+    published_head(head_for(target.model, draft_vocab=8), reduced)
+    state = load_file(str(reduced / "model.safetensors"))
+    state["d2t"] = state["d2t"] + 1000
+    save_file(state, str(reduced / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="d2t maps draft ids outside the vocabulary"):
+        load_eagle3(reduced, target.model)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_eagle3(tmp_path / "nowhere", target.model)
+
+
+def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp_path):
+    from control.config import ConfigError, load_config
+    from daemon.runtime import build_controller, load_models
+
+    target, _ = pair
+    save_eagle3(head_for(target.model), tmp_path / "head")
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[engine]\ntarget = "{target.path}"\ndrafter = "eagle3"\neagle3 = "head"\nmax_seq_len = {MAX_SEQ_LEN}\n'
+        "[adaptive]\ncandidate_k = [0, 2, 5]\n"
+    )
+    snapshot = load_config(config, check_models=True)
+    controller = build_controller(snapshot, load_models(snapshot), max_batch_size=2)
+    assert isinstance(controller.engine.drafter, Eagle3Drafter)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    for r in requests:
+        controller.engine.add_request(r)
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+    while controller.engine.has_work:
+        for out in controller.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+    assert sum(state.stats.drafts_proposed for state in controller.engine.states.values()) > 0
+
+    raw = json.loads((tmp_path / "head" / "config.json").read_text())
+    (tmp_path / "head" / "config.json").write_text(json.dumps({**raw, "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="engine.eagle3: .*does not fit the target: vocabulary of 10"):
+        load_config(config, check_models=True)
+
+
+def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
+    """On the target's own greedy continuations of a small corpus: the loss (KL from the target's
+    distribution, every unrolled step) falls, the head loads, and a second run resumes."""
+    import random
+
+    target, _ = pair
+    rng = random.Random(3)
+    (tmp_path / "data.txt").write_text(" ".join(f"w{rng.randrange(2, 40)}" for _ in range(400)))
+    out, work = tmp_path / "head", tmp_path / "work"
+    command = [sys.executable, "tools/train_eagle3.py", str(target.path), str(out), "--steps", "60", "--unroll", "3"]
+    command += ["--seq-len", "40", "--prompt-len", "16", "--regenerate", "12", "--chains", "8", "--batch", "4"]
+    command += ["--lr", "3e-3", "--data", str(tmp_path / "data.txt"), "--prompts", "0", "--work", str(work)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["last_loss"] < 0.6 * report["first_loss"]
+    assert len(report["last_kl_per_step"]) == 3
+    head = load_eagle3(out, target.model)
+    assert head.taps == tuple(report["taps"])
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr

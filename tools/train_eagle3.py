@@ -1,0 +1,275 @@
+"""Train an EAGLE-3 head for a target adaspec loads.
+
+    python tools/train_eagle3.py TARGET OUT [--steps 2000] [--unroll 7] [--decay 0.8] [--batch 8]
+        [--seq-len 256] [--chains 48] [--lr 6e-4] [--taps L1 L2 L3] [--work DIR] [--seed 0]
+        [--regenerate N [--prompt-len 96]] [--init HEAD] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
+
+The published recipe, small. The head reads the target's outputs at three layers (by default
+SGLang's: the inputs of layers 2, L/2 and L-3). Training-time test: from random chain starts p in
+each sequence the head is unrolled --unroll steps as it drafts at inference, step j reading the
+embedding of the true token p + j + 1 beside its own output feature of step j - 1 and attending to
+the target-fed entries up to p and to its own chain; step j's loss is the KL divergence from the
+target's next-token distribution at p + j + 1 (soft targets), weighted decay^j. AdamW, cosine
+schedule. The target's features are computed on the fly (for a target this small that is cheaper
+than reading them back from disk). With --regenerate N the data are N windows of --prompt-len
+training tokens each followed by the target's own greedy continuation to --seq-len (what the head
+meets when the target serves greedily), and chains start in the continuation.
+
+Data, resumption and the final report are those of tools/train_dflash.py: the standard library's
+.py files by default (its test files held out), a checkpoint in --work every 100 steps, and at the
+end the head serves held-out code prompts at k = --unroll, greedy, batch 1, and the drafts kept per
+chain position go to OUT/training_report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_dflash import (  # noqa: E402  (tools/, beside this script)
+    default_data,
+    greedy_continuations,
+    held_out_acceptance,
+    lr_at,
+    text_files,
+    token_stream,
+)
+
+from engine.checkpoint import load_checkpoint  # noqa: E402
+from engine.config import Eagle3Config, RopeConfig, eagle3_taps  # noqa: E402
+from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3  # noqa: E402
+from engine.model import Transformer  # noqa: E402
+
+
+def head_config(target: Transformer, args: argparse.Namespace) -> Eagle3Config:
+    tc = target.config
+    config = Eagle3Config(
+        hidden_size=tc.hidden_size,
+        num_heads=tc.num_heads,
+        num_kv_heads=tc.num_kv_heads,
+        head_dim=tc.head_dim,
+        intermediate_size=tc.intermediate_size,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=tc.vocab_size,  # a reduced vocabulary pays only for vocabularies far larger
+        target_hidden_size=tc.hidden_size,
+        target_layer_ids=None,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope=RopeConfig(theta=tc.rope.theta),
+        target=args.target.name,
+    )
+    taps = tuple(args.taps) if args.taps else eagle3_taps(config, tc)
+    return Eagle3Config(**{**config.__dict__, "target_layer_ids": taps})
+
+
+def chain_attention(
+    q: Tensor, keys: Tensor, values: Tensor, starts: Tensor, own: list[tuple[Tensor, Tensor]]
+) -> Tensor:
+    """Attention of chain queries q [N, S, heads, D] (chain s starts at position starts[n, s]) to
+    the target-fed entries up to their start (keys, values [N, P, kv_heads, D]) and to the chain's
+    own entries so far (`own`: keys and values [N, S, kv_heads, D] per step). [N, S, heads, D]."""
+    heads, kv_heads = q.shape[2], keys.shape[2]
+    repeat, scale = heads // kv_heads, q.shape[-1] ** -0.5
+    context_k = keys.repeat_interleave(repeat, dim=2)
+    context_v = values.repeat_interleave(repeat, dim=2)
+    scores = torch.einsum("nshd,nphd->nhsp", q, context_k) * scale
+    visible = torch.arange(keys.shape[1])[None, None, :] <= starts[:, :, None]  # [N, S, P]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    if not own:
+        return torch.einsum("nhsp,nphd->nshd", torch.softmax(scores, dim=-1), context_v)
+    own_k = torch.stack([k for k, _ in own], dim=2).repeat_interleave(repeat, dim=3)  # [N, S, j, heads, D]
+    own_v = torch.stack([v for _, v in own], dim=2).repeat_interleave(repeat, dim=3)
+    own_scores = torch.einsum("nshd,nsjhd->nhsj", q, own_k) * scale
+    weights = torch.softmax(torch.cat((scores, own_scores), dim=-1), dim=-1)
+    out = torch.einsum("nhsp,nphd->nshd", weights[..., : keys.shape[1]], context_v)
+    return out + torch.einsum("nhsj,nsjhd->nshd", weights[..., keys.shape[1] :], own_v)
+
+
+def ttt_loss(
+    head: Eagle3Model,
+    target: Transformer,
+    tokens: Tensor,
+    chains: int,
+    unroll: int,
+    decay: float,
+    rng: torch.Generator,
+    first_chain: int = 0,
+) -> tuple[Tensor, list[float]]:
+    """The training-time-test loss of one batch of sequences [N, T] and each step's KL divergence:
+    `chains` chain starts per sequence drawn from [first_chain, T - 1 - unroll]."""
+    batch, length = tokens.shape
+    with torch.no_grad():
+        logits, taps = target.train_layers(tokens, head.taps)
+        log_p = F.log_softmax(logits.float(), dim=-1)  # the target's next-token distribution per position
+        embeds = target.embed_tokens(tokens).float()
+    features = head.features(torch.cat([taps[i] for i in head.taps], dim=-1).float())
+    entries = length - 1  # position p reads token p + 1
+    _, keys, values = head.qkv(embeds[:, 1:], features[:, :entries], torch.arange(entries))
+    span = length - unroll - first_chain
+    starts = torch.stack([torch.randperm(span, generator=rng)[:chains] + first_chain for _ in range(batch)])
+    rows = torch.arange(batch)[:, None]
+    feature = features[rows, starts]  # [N, S, H]
+    own: list[tuple[Tensor, Tensor]] = []
+    total, steps = torch.zeros(()), []
+    for j in range(unroll):
+        q, k, v = head.qkv(embeds[rows, starts + j + 1], feature, starts + j)
+        if j > 0:  # step 0's entry is the target-fed one at the start, already among the keys
+            own.append((k, v))
+        attended = chain_attention(q, keys, values, starts, own)
+        feature = head.finish(attended, feature)
+        log_q = F.log_softmax(head.logits(feature).float(), dim=-1)
+        label = log_p[rows, starts + j + 1]
+        kl = (label.exp() * (label - log_q)).sum(-1).mean()
+        total = total + decay**j * kl
+        steps.append(kl.item())
+    return total / sum(decay**j for j in range(unroll)), steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--unroll", type=int, default=7, help="training-time-test steps (>= the largest k served)")
+    parser.add_argument("--decay", type=float, default=0.8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--chains", type=int, default=48, help="chain starts per sequence")
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--taps", type=int, nargs=3, default=None, help="target layers read (default: SGLang's)")
+    parser.add_argument("--regenerate", type=int, default=0)
+    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--init", type=Path, default=None, help="start from this head's weights (same shape)")
+    parser.add_argument("--data", type=Path, nargs="*", default=None)
+    parser.add_argument("--held-out", type=Path, nargs="*", default=None)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts served at the end (0: none)")
+    parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    target = load_checkpoint(args.target, native_forward=False)
+    model = target.model
+    train_files, held_files = (text_files(args.data), text_files(args.held_out or [])) if args.data else default_data()
+    data = token_stream(target, train_files)
+    if len(data) < args.seq_len + 1:
+        raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")
+    config = head_config(model, args)
+    assert config.target_layer_ids is not None
+    head = Eagle3Model(config, config.target_layer_ids)
+    if args.init is not None:
+        head.load_state_dict(load_eagle3(args.init, model).state_dict())
+    work = args.work or args.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    if args.regenerate:
+        if not 0 < args.prompt_len < args.seq_len - args.unroll - 1:
+            raise SystemExit(
+                f"--prompt-len must be between 1 and --seq-len - --unroll - 2 ({args.seq_len - args.unroll - 2})"
+            )
+        sequences = greedy_continuations(
+            args.target,
+            data,
+            args.regenerate,
+            args.prompt_len,
+            args.seq_len - args.prompt_len,
+            work / "greedy.pt",
+            args.seed,
+        )
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01)
+    resume = work / "state.pt"
+    step, losses, per_step = 0, [], []
+    if resume.exists():
+        state = torch.load(resume, weights_only=False)
+        head.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, losses, per_step = state["step"], state["losses"], state["per_step"]
+        print(f"resuming at step {step}", file=sys.stderr)
+    rng = random.Random(args.seed * 1000 + step)
+    generator = torch.Generator().manual_seed(args.seed * 1000 + step)
+    started = time.time()
+    head.train()
+    while step < args.steps:
+        if args.regenerate:  # chains start at the last prompt token or after: the target's own greedy text
+            tokens = sequences[torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])]
+            first_chain = args.prompt_len - 1
+        else:
+            starts = [rng.randrange(0, len(data) - args.seq_len) for _ in range(args.batch)]
+            tokens, first_chain = torch.stack([data[s : s + args.seq_len] for s in starts]), 0
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        loss, kls = ttt_loss(head, model, tokens, args.chains, args.unroll, args.decay, generator, first_chain)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        optimizer.step()
+        step += 1
+        losses.append(loss.item())
+        per_step.append(kls)
+        if step % 10 == 0 or step == args.steps:
+            rate = (time.time() - started) / max(1, len(losses))
+            recent = sum(losses[-10:]) / len(losses[-10:])
+            first, last = (sum(s[j] for s in per_step[-10:]) / len(per_step[-10:]) for j in (0, -1))
+            print(
+                f"step {step}/{args.steps} loss {recent:.3f} (step 0 {first:.3f}, step {args.unroll - 1} {last:.3f};"
+                f" {rate:.2f} s a step)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if step % 100 == 0 or step == args.steps:
+            torch.save(
+                {
+                    "model": head.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "losses": losses,
+                    "per_step": per_step,
+                },
+                resume,
+            )
+    head.eval().requires_grad_(False)
+    save_eagle3(head, args.out)
+    recent = per_step[-20:]
+    report: dict = {
+        "target": str(args.target),
+        "steps": args.steps,
+        "unroll": args.unroll,
+        "decay": args.decay,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "chains": args.chains,
+        "lr": args.lr,
+        "taps": list(config.target_layer_ids),
+        "training_tokens": len(data),
+        "regenerated_sequences": args.regenerate,
+        "prompt_len": args.prompt_len if args.regenerate else None,
+        "init": str(args.init) if args.init else None,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "last_kl_per_step": [sum(s[j] for s in recent) / max(1, len(recent)) for j in range(args.unroll)],
+        "wall_seconds_this_run": round(time.time() - started, 1),
+    }
+    if args.prompts and held_files and not args.held_out:
+        from bench.prompts import code_prompts
+
+        served = load_checkpoint(args.target)
+        loaded = load_eagle3(args.out, served.model)
+        drafter = Eagle3Drafter(loaded, served.model, 1, 2048)
+        report["held_out"] = held_out_acceptance(
+            served, drafter, args.unroll, code_prompts(args.prompts, seed=args.seed + 1)
+        )
+    (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
