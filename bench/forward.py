@@ -7,7 +7,8 @@ operators (float32), the compiled forward with float32 weights and with bfloat16
 to float32 as they are read: half the bytes to stream, the same float32 arithmetic); the three
 take turns shape by shape, repeat by repeat, so the machine's drift lands on all. Prints the
 median milliseconds of each and the compiled forwards' speed-ups over PyTorch operators; then a
-DFlash drafter's two calls a round (drafting a block, extending the context) beside the target on
+DFlash drafter's two calls a round (drafting a block, extending the context) and an EAGLE-3
+head's (a chain step, the draft-extend of a round's kept tokens), each beside the target on
 PyTorch operators and on the compiled kernels.
 """
 
@@ -23,6 +24,7 @@ import torch
 from engine import native
 from engine.checkpoint import load_checkpoint
 from engine.dflash import DFlashDrafter, load_dflash
+from engine.eagle3 import Eagle3Drafter, load_eagle3
 from engine.model import ForwardBatch, Transformer
 from engine.request import Request, Sequence
 
@@ -80,12 +82,46 @@ def time_dflash(drafter: DFlashDrafter, served: Transformer, rows: int, kept: in
     return statistics.median(drafting[1:]) * 1e3, statistics.median(extending[1:]) * 1e3
 
 
+@torch.inference_mode()
+def time_eagle3(drafter: Eagle3Drafter, served: Transformer, rows: int, kept: int, count: int) -> tuple[float, float]:
+    """Median ms of an EAGLE-3 head's calls a round after 300 context tokens a row: one chain step
+    of every row, and the draft-extend of `kept` tokens a row."""
+    cache = served.new_cache(rows, 400)
+    slots = [cache.allocate() for _ in range(rows)]
+    context = [[(5 * p) % 97 + 1 for p in range(301)]] * rows
+    taps = served(served.batch(cache, slots, context), cache, capture=drafter.capture_layers).hidden
+    seqs = [Sequence(Request(tuple(c)), slot=s, generator=None, tokens=list(c)) for s, c in zip(slots, context)]
+    drafter.admit(seqs, taps)
+    stepping, extending = [], []
+    for _ in range(count + 1):
+        for seq in seqs:
+            drafter.cache.truncate(seq.draft_slot, 300 - kept)
+        began = time.perf_counter()
+        drafter.accept(seqs, [kept - 1] * rows, taps)
+        extending.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        drafter.draft([s.draft_slot for s in seqs], [3] * rows, 0)
+        stepping.append(time.perf_counter() - began)
+    for seq in seqs:
+        drafter.release(seq)
+    return statistics.median(stepping[1:]) * 1e3, statistics.median(extending[1:]) * 1e3
+
+
+def print_row(what: str, times: dict[str, list[float]]) -> None:
+    """A drafter's call: the median ms beside each target, and the compiled one's speed-up."""
+    medians = [statistics.median(t) for t in times.values()]
+    print(f"{what:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {'':>14} {medians[0] / medians[1]:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/target")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--dflash", default="models/dflash", help="a DFlash drafter for the model, timed where it exists"
+    )
+    parser.add_argument(
+        "--eagle3", default="models/eagle3", help="an EAGLE-3 head for the model, timed where it exists"
     )
     args = parser.parse_args()
     forwards = {
@@ -105,30 +141,33 @@ def main() -> None:
         medians = [statistics.median(t) for t in times.values()]
         ratios = " / ".join(f"{medians[0] / m:.2f}x" for m in medians[1:])
         print(f"{name:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {ratios:>14}")
-    if not (Path(args.dflash) / "config.json").exists():
-        return
-    # The DFlash drafter beside each target: on PyTorch operators, or on the compiled kernels.
-    drafters = {
-        forward: DFlashDrafter(load_dflash(args.dflash, model), model, 4, 512)
-        for forward, model in list(forwards.items())[:2]
-    }
-    print(f"{args.dflash}: a block of {next(iter(drafters.values())).config.block_size}, 300 context tokens a row")
-    for rows, kept in ((1, 4), (4, 4)):
-        drafting: dict[str, list[float]] = {forward: [] for forward in drafters}
-        extending: dict[str, list[float]] = {forward: [] for forward in drafters}
-        for _ in range(args.repeats):
-            for forward, drafter in drafters.items():
-                draft_ms, extend_ms = time_dflash(drafter, forwards[forward], rows, kept, 50)
-                drafting[forward].append(draft_ms)
-                extending[forward].append(extend_ms)
-        for what, times in (
-            (f"dflash draft, batch {rows}", drafting),
-            (f"dflash context +{kept}, batch {rows}", extending),
-        ):
-            medians = [statistics.median(t) for t in times.values()]
-            print(
-                f"{what:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {'':>14} {medians[0] / medians[1]:.2f}x"
-            )
+    pair = list(forwards.items())[:2]  # each drafter beside the target on PyTorch operators, and on the kernels
+    if (Path(args.dflash) / "config.json").exists():
+        drafters = {forward: DFlashDrafter(load_dflash(args.dflash, model), model, 4, 512) for forward, model in pair}
+        print(f"{args.dflash}: a block of {next(iter(drafters.values())).config.block_size}, 300 context tokens a row")
+        for rows, kept in ((1, 4), (4, 4)):
+            drafting: dict[str, list[float]] = {forward: [] for forward in drafters}
+            extending: dict[str, list[float]] = {forward: [] for forward in drafters}
+            for _ in range(args.repeats):
+                for forward, drafter in drafters.items():
+                    draft_ms, extend_ms = time_dflash(drafter, forwards[forward], rows, kept, 50)
+                    drafting[forward].append(draft_ms)
+                    extending[forward].append(extend_ms)
+            print_row(f"dflash draft, batch {rows}", drafting)
+            print_row(f"dflash context +{kept}, batch {rows}", extending)
+    if (Path(args.eagle3) / "config.json").exists():
+        heads = {forward: Eagle3Drafter(load_eagle3(args.eagle3, model), model, 4, 512) for forward, model in pair}
+        print(f"{args.eagle3}: 300 context tokens a row")
+        for rows, kept in ((1, 4), (4, 4)):
+            stepping: dict[str, list[float]] = {forward: [] for forward in heads}
+            extending = {forward: [] for forward in heads}
+            for _ in range(args.repeats):
+                for forward, head in heads.items():
+                    step_ms, extend_ms = time_eagle3(head, forwards[forward], rows, kept, 50)
+                    stepping[forward].append(step_ms)
+                    extending[forward].append(extend_ms)
+            print_row(f"eagle3 chain step, batch {rows}", stepping)
+            print_row(f"eagle3 extend +{kept}, batch {rows}", extending)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence as Seq
-from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -30,10 +29,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from engine import native
 from engine.config import CheckpointError, Eagle3Config, eagle3_taps, inspect_eagle3
 from engine.drafters import Proposal
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
+from engine.native import NativeEagle3
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -118,9 +119,11 @@ class Eagle3Model(nn.Module):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, out: Tensor) -> Tensor:
-        """Logits over the target's vocabulary of an output feature (ids outside a reduced draft
-        vocabulary at -inf)."""
-        logits = self.lm_head(self.norm(out))
+        """Logits over the target's vocabulary of an output feature."""
+        return self.full_vocabulary(self.lm_head(self.norm(out)))
+
+    def full_vocabulary(self, logits: Tensor) -> Tensor:
+        """Draft-vocabulary logits placed in the target's vocabulary, the ids outside at -inf."""
         if logits.shape[-1] == self.config.vocab_size:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
@@ -170,7 +173,8 @@ def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
 
 
 class Eagle3Drafter:
-    """The drafter protocol (engine/drafters.py) over an EAGLE-3 head and its own cache."""
+    """The drafter protocol (engine/drafters.py) over an EAGLE-3 head and its own cache. Beside a
+    target on the compiled CPU kernels the head runs on them too (`native.NativeEagle3`)."""
 
     name = "eagle3"
 
@@ -179,8 +183,17 @@ class Eagle3Drafter:
         self.target = target
         self.capture_layers: tuple[int, ...] = model.taps
         config, param = model.config, model.fc.weight
+        lib = native.library() if target.native is not None and native.available(param.device, param.dtype) else None
+        self.native = NativeEagle3(model, target.native, lib, max_seq_len + 1) if lib and target.native else None
         self.cache = KVCache(
-            1, max_batch_size, max_seq_len, config.num_kv_heads, config.head_dim, dtype=param.dtype, device=param.device
+            1,
+            max_batch_size,
+            max_seq_len,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype=torch.float32 if self.native else param.dtype,
+            device=param.device,
+            transposed_keys=self.native is not None,
         )
         # Per slot: the logits and output feature of its last verified position, whose argmax
         # is the next chain's first draft.
@@ -201,46 +214,60 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def extend(self, seqs: Seq[Sequence], counts: Seq[int], hidden: dict[int, Tensor]) -> None:
         """Row r's first counts[r] tapped hidden states (`hidden`: per tap [rows, width, H]) become
-        entries of seqs[r] at its next positions; each sequence's last one gives its next draft."""
-        model, device = self.model, self.model.fc.weight.device
+        entries of seqs[r] at its next positions (the draft-extend); each sequence's last one
+        gives its next draft."""
         taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)
-        rows = [(row, seq, count) for row, (seq, count) in enumerate(zip(seqs, counts)) if count > 0]
-        if not rows:
-            return
-        slots, positions, next_tokens = [], [], []
-        pieces = []
-        for row, seq, count in rows:
+        slots, positions, tokens, pieces, selected = [], [], [], [], []
+        for row, (seq, count) in enumerate(zip(seqs, counts)):
+            if count <= 0:
+                continue
             start = self.cache.lengths[seq.draft_slot]
             slots += [seq.draft_slot] * count
             positions += range(start, start + count)
-            next_tokens += seq.tokens[start + 1 : start + count + 1]  # position p reads token p + 1
+            tokens += seq.tokens[start + 1 : start + count + 1]  # position p reads token p + 1
             pieces.append(taps[row, :count])
+            selected.append(len(slots) - 1)
             self.cache.lengths[seq.draft_slot] = start + count
-        features = model.features(torch.cat(pieces).to(model.fc.weight.dtype))
-        embeds = self.target.embed_tokens(torch.tensor(next_tokens, device=device)).to(features.dtype)
-        where = torch.tensor(positions, device=device)
-        q, k, v = model.qkv(embeds, features, where)
-        index = torch.tensor(slots, device=device)
-        self.cache.k[0, index, where] = k
-        self.cache.v[0, index, where] = v
-        # Only each sequence's last entry needs the rest of the layer: its output starts the chain.
-        ends = torch.tensor(list(accumulate(count for _, _, count in rows)), device=device) - 1
-        last = [seq.draft_slot for _, seq, _ in rows]
-        self._advance(last, where[ends], q[ends], features[ends])
+        if slots:
+            features = self.model.features(torch.cat(pieces).to(self.model.fc.weight.dtype))
+            self.step(tokens, features, slots, positions, selected)
 
-    def _advance(self, slots: list[int], positions: Tensor, q: Tensor, features: Tensor) -> Tensor:
-        """Attend from one position per slot (its keys and values already in the cache) to its
-        entries up to there; the outputs' logits and features become the slots' next."""
-        index = torch.tensor(slots, device=positions.device)
-        width = int(positions.max()) + 1
-        keys = self.cache.k[0, index, :width].transpose(1, 2)
-        values = self.cache.v[0, index, :width].transpose(1, 2)
-        mask = (torch.arange(width, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
-        feature = self.model.finish(out[:, :, 0], features)
-        logits = self.model.logits(feature)
-        self.next_logits[index] = logits
-        self.next_feature[index] = feature
+    def draft(self, slots: list[int], tokens: list[int], step: int) -> Tensor:
+        """One draft step: each slot's chain entry `step` past its verified ones, reading the token
+        just drafted and the feature its last step output. The logits of the next draft [rows, V]."""
+        positions = [self.cache.lengths[s] + step for s in slots]
+        return self.step(tokens, self.next_feature[slots], slots, positions, list(range(len(slots))))
+
+    def step(
+        self, tokens: list[int], features: Tensor, slots: list[int], positions: list[int], selected: list[int]
+    ) -> Tensor:
+        """Entries for each token (reading tokens[t] beside features[t]) at slots[t], positions[t];
+        the `selected` ones attend to their slot up to there and finish the layer, their output
+        features and logits becoming their slots' next. Returns those logits [selected, V]."""
+        model, device = self.model, self.model.fc.weight.device
+        chosen = [slots[t] for t in selected]
+        if self.native is not None:
+            out, logits = self.native.step(self.cache, tokens, features.float(), slots, positions, selected)
+            logits = model.full_vocabulary(logits)
+        else:
+            embeds = self.target.embed_tokens(torch.tensor(tokens, device=device)).to(features.dtype)
+            where = torch.tensor(positions, device=device)
+            q, k, v = model.qkv(embeds, features, where)
+            index = torch.tensor(slots, device=device)
+            self.cache.k[0, index, where] = k
+            self.cache.v[0, index, where] = v
+            rows, ends = torch.tensor(chosen, device=device), where[selected]
+            width = int(ends.max()) + 1
+            keys = self.cache.k[0, rows, :width].transpose(1, 2)
+            values = self.cache.v[0, rows, :width].transpose(1, 2)
+            mask = (torch.arange(width, device=device)[None, :] <= ends[:, None])[:, None, None, :]
+            attended = F.scaled_dot_product_attention(
+                q[selected][:, :, None], keys, values, attn_mask=mask, enable_gqa=True
+            )
+            out = model.finish(attended[:, :, 0], features[selected])
+            logits = model.logits(out)
+        self.next_logits[chosen] = logits.to(self.next_logits.dtype)
+        self.next_feature[chosen] = out.to(self.next_feature.dtype)
         return logits
 
     @torch.inference_mode()
@@ -278,19 +305,6 @@ class Eagle3Drafter:
             if q:
                 proposals[i].probs = torch.stack(q)
         return proposals
-
-    def draft(self, slots: list[int], tokens: list[int], step: int) -> Tensor:
-        """One draft step: each slot's chain entry `step` past its verified ones, reading the token
-        just drafted and the feature its last step output. The logits of the next draft [rows, V]."""
-        device = self.model.fc.weight.device
-        positions = torch.tensor([self.cache.lengths[s] + step for s in slots], device=device)
-        features = self.next_feature[slots]
-        embeds = self.target.embed_tokens(torch.tensor(tokens, device=device)).to(features.dtype)
-        q, k, v = self.model.qkv(embeds, features, positions)
-        index = torch.tensor(slots, device=device)
-        self.cache.k[0, index, positions] = k
-        self.cache.v[0, index, positions] = v
-        return self._advance(slots, positions, q, features)
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:

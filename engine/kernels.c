@@ -531,3 +531,96 @@ int adaspec_dflash_context(const Model *m, const Context *c, const Cache *cache,
     free(arena);
     return 0;
 }
+
+/* One step of an EAGLE-3 head (a one-layer model, `m`, whose q, k and v read [input_norm(embedding
+ * of token t), hidden_norm(feature t)], width 2 * hidden, and whose residual stream is the feature).
+ * Every token's keys and values go to the head's cache at slot[t], position[t]; the `outputs`
+ * tokens `selected` then attend to their slot up to their position and finish the layer: their
+ * output features ([outputs, hidden]) and their logits ([outputs, vocab]). The draft-extend
+ * passes a round's kept tokens and selects each sequence's last; a chain step passes one token a
+ * sequence and selects them all. */
+int adaspec_eagle3_step(const Model *m, const float *hidden_norm, const Cache *cache, int tokens,
+                        const int64_t *token_ids, const float *features, const int32_t *slot,
+                        const int32_t *position, int outputs, const int32_t *selected, float *out_features,
+                        float *logits, int threads) {
+    const int hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
+    const int q_size = heads * dim, qkv_size = (heads + 2 * kv_heads) * dim, inter = m->intermediate;
+    const int64_t key_stride = (int64_t)kv_heads * dim;
+    const Layer *layer = &m->layers[0];
+    threads = threads > 0 ? threads : 1;
+    int longest = 0;
+    for (int s = 0; s < outputs; s++)
+        if (position[selected[s]] + 1 > longest) longest = position[selected[s]] + 1;
+    const int64_t keys_padded = (int64_t)(longest + PANEL - 1) / PANEL * PANEL;
+    const int64_t per_thread = TILE_ROWS * dim + TILE_ROWS * keys_padded + 2 * 16;
+    const int64_t normed = (int64_t)outputs * hidden + 16;
+    const int64_t widest_k = 2 * hidden > inter ? 2 * hidden : inter;
+    const int64_t widest = (widest_k > q_size ? widest_k : q_size) * PANEL + 16;
+    const int64_t floats = (int64_t)tokens * (2 * hidden + qkv_size) + (int64_t)outputs * (q_size + inter) +
+                           threads * (per_thread + normed + widest) + 16 * 6;
+    float *arena = malloc(sizeof(float) * (size_t)floats);
+    if (!arena) return -1;
+    float *next = arena;
+    float *joined = take(&next, (int64_t)tokens * 2 * hidden), *qkv = take(&next, (int64_t)tokens * qkv_size);
+    float *attn = take(&next, (int64_t)outputs * q_size), *act = take(&next, (int64_t)outputs * inter);
+    float *normed_arena = take(&next, threads * normed), *widened_arena = take(&next, threads * widest);
+    float *attend_arena = next;
+    float *x = out_features; /* the residual stream of the selected tokens, finished in place */
+
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = attend_arena + omp_get_thread_num() * per_thread;
+        const AttendScratch my_scratch = {mine, mine + TILE_ROWS * dim + 16};
+        float *h = normed_arena + omp_get_thread_num() * normed;
+        float *widened = widened_arena + omp_get_thread_num() * widest;
+#pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++) {
+            float embedded[hidden];
+            const int64_t row = token_ids[t] * hidden;
+            if (m->embed_bf16) {
+                const uint16_t *in = (const uint16_t *)m->embed + row;
+                for (int i = 0; i < hidden; i++) {
+                    const uint32_t bits = (uint32_t)in[i] << 16;
+                    memcpy(embedded + i, &bits, sizeof(float));
+                }
+            } else {
+                memcpy(embedded, (const float *)m->embed + row, sizeof(float) * (size_t)hidden);
+            }
+            float *out = joined + (int64_t)t * 2 * hidden;
+            rms_norm(embedded, layer->input_norm, hidden, m->eps, out);
+            rms_norm(features + (int64_t)t * hidden, hidden_norm, hidden, m->eps, out + hidden);
+        }
+        linear(joined, tokens, &layer->qkv, qkv, qkv_size, NULL, 0, widened);
+#pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++) {
+            float *row = qkv + (int64_t)t * qkv_size;
+            const float *cos = m->rope_cos + (int64_t)position[t] * dim, *sin = m->rope_sin + (int64_t)position[t] * dim;
+            for (int head = 0; head < heads + kv_heads; head++) rope(row + head * dim, cos, sin, dim);
+            float *keys = cache->k + slot[t] * cache->k_slot + position[t];
+            for (int i = 0; i < key_stride; i++) keys[i * cache->positions] = row[q_size + i];
+            memcpy(cache->v + slot[t] * cache->v_slot + position[t] * key_stride, row + q_size + key_stride,
+                   sizeof(float) * (size_t)key_stride);
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int s = 0; s < outputs; s++) {
+            for (int kv = 0; kv < kv_heads; kv++) {
+                const int t = selected[s];
+                attend(m, kv, qkv + (int64_t)t * qkv_size, qkv_size, 1, position[t], 0,
+                       cache->k + slot[t] * cache->k_slot + (int64_t)kv * dim * cache->positions, cache->positions,
+                       cache->v + slot[t] * cache->v_slot + (int64_t)kv * dim, key_stride, attn + (int64_t)s * q_size,
+                       q_size, &my_scratch);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int s = 0; s < outputs; s++)
+            memcpy(x + (int64_t)s * hidden, features + (int64_t)selected[s] * hidden, sizeof(float) * (size_t)hidden);
+        linear(attn, outputs, &layer->o_proj, x, hidden, NULL, 1, widened);
+        rms_norm_rows(x, outputs, layer->post_norm, hidden, m->eps, h);
+        linear_glu(h, outputs, &layer->gate_up, act, inter, widened);
+        linear(act, outputs, &layer->down, x, hidden, NULL, 1, widened);
+        rms_norm_rows(x, outputs, m->norm, hidden, m->eps, h);
+        linear(h, outputs, &m->lm_head, logits, m->vocab, NULL, 0, widened);
+    }
+    free(arena);
+    return 0;
+}

@@ -1,8 +1,8 @@
 """The CPU forward of engine/kernels.c: compiled once per machine and source, called through ctypes.
 
 A float32 model on a CPU runs every forward (prefill, decode, verify, draft) as one call into
-the compiled kernels instead of a few hundred PyTorch operators, and so does a DFlash drafter
-beside it (`NativeDFlash`). The library is built with the
+the compiled kernels instead of a few hundred PyTorch operators, and so do a DFlash drafter
+(`NativeDFlash`) and an EAGLE-3 head (`NativeEagle3`) beside it. The library is built with the
 system's C compiler on first use and kept in the cache directory (`$ADASPEC_CACHE_DIR`, else
 `$XDG_CACHE_HOME/adaspec`, else `~/.cache/adaspec`), keyed by the source, the compiler and the
 CPU. Where no compiler works, or `ADASPEC_NATIVE=0`, models run on the PyTorch operators instead.
@@ -30,6 +30,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from engine.config import DFlashConfig, ModelConfig
     from engine.dflash import DFlashModel
+    from engine.eagle3 import Eagle3Model
     from engine.kv_cache import KVCache
     from engine.model import Batch, ForwardOutput, Transformer
 
@@ -204,6 +205,22 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.adaspec_dflash_context.restype = ctypes.c_int
+    lib.adaspec_eagle3_step.argtypes = [
+        ctypes.POINTER(_Model),
+        _ptr,
+        ctypes.POINTER(_Cache),
+        ctypes.c_int,
+        _ptr,
+        _ptr,
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        ctypes.c_int,
+        ctypes.POINTER(_i32),
+        _ptr,
+        _ptr,
+        ctypes.c_int,
+    ]
+    lib.adaspec_eagle3_step.restype = ctypes.c_int
     return lib
 
 
@@ -491,3 +508,87 @@ class NativeDFlash:
             outputs=(1, drafts),
         )
         return logits
+
+
+class NativeEagle3:
+    """An EAGLE-3 head's step through the compiled kernels: its linear weights packed as the
+    target's are (bfloat16 beside a bfloat16 target), the target's embedding shared."""
+
+    def __init__(self, model: Eagle3Model, target: NativeForward, lib: ctypes.CDLL, positions: int) -> None:
+        config, layer = model.config, model.midlayer
+        attention, mlp = layer.self_attn, layer.mlp
+        self.lib, self.target = lib, target  # the target's embedding must outlive our pointer to it
+        self.weights = weights = _Weights(bf16=target.weights.bf16)
+        qkv = torch.cat((attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight))
+        self._layer = (_Layer * 1)(
+            _Layer(
+                weights.keep(layer.input_layernorm.weight),
+                weights.linear(qkv),
+                None,
+                None,
+                weights.linear(attention.o_proj.weight),
+                weights.keep(layer.post_attention_layernorm.weight),
+                weights.gate_up(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), None, config.intermediate_size),
+                weights.linear(mlp.down_proj.weight),
+            )
+        )
+        self.hidden_norm = weights.keep(layer.hidden_norm.weight)
+        cos, sin = model.rope(torch.arange(positions, device=model.fc.weight.device))
+        self.model = _Model(
+            1,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.draft_vocab_size,
+            0,
+            config.rms_norm_eps,
+            target.model.embed,
+            target.model.embed_bf16,
+            weights.keep(model.norm.weight),
+            weights.keep(cos[:, 0]),
+            weights.keep(sin[:, 0]),
+            weights.linear(model.lm_head.weight),
+            self._layer,
+        )
+        self.hidden_size, self.draft_vocab = config.hidden_size, config.draft_vocab_size
+        self._cache = _CacheStructs()
+
+    def step(
+        self,
+        cache: KVCache,
+        tokens: list[int],
+        features: Tensor,
+        slots: list[int],
+        positions: list[int],
+        selected: list[int],
+    ) -> tuple[Tensor, Tensor]:
+        """Token t (reading tokens[t] beside features[t], float32 [tokens, hidden]) becomes an
+        entry of slots[t] at positions[t]; the `selected` tokens finish the layer: their output
+        features [outputs, hidden] and draft-vocabulary logits [outputs, draft vocab]."""
+        count, outputs = len(tokens), len(selected)
+        features = features.contiguous()
+        ids = (ctypes.c_int64 * count)(*tokens)
+        meta = (_i32 * (2 * count + outputs))(*slots, *positions, *selected)
+        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        out = torch.empty(outputs, self.hidden_size)
+        logits = torch.empty(outputs, self.draft_vocab)
+        failed = self.lib.adaspec_eagle3_step(
+            ctypes.byref(self.model),
+            self.hidden_norm,
+            ctypes.byref(self._cache(cache)),
+            count,
+            ctypes.addressof(ids),
+            features.data_ptr(),
+            ctypes.cast(base, ctypes.POINTER(_i32)),
+            ctypes.cast(base + size * count, ctypes.POINTER(_i32)),
+            outputs,
+            ctypes.cast(base + 2 * size * count, ctypes.POINTER(_i32)),
+            out.data_ptr(),
+            logits.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the compiled EAGLE-3 step could not allocate its activations")
+        return out, logits

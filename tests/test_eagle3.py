@@ -196,6 +196,41 @@ def test_the_cache_follows_the_target_and_rolls_back_exactly(pair, trained_head)
     assert torch.allclose(drafter.next_logits[seq.draft_slot], fresh.next_logits[twin.draft_slot], atol=1e-4)
 
 
+def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path):
+    """On a CPU the head runs on the compiled kernels beside a compiled target: the draft-extend
+    of rows of different lengths in one call, then chain steps, give the logits and entries of
+    the PyTorch operators (a reduced draft vocabulary included)."""
+    from tests.conftest import tiny_pair
+
+    target, _ = pair
+    if target.model.native is None:
+        pytest.skip("no compiled kernels here")
+    plain, _ = tiny_pair(tmp_path, native_forward=False)  # the same weights (seeded), on PyTorch operators
+    head = head_for(target.model, draft_vocab=24, taps=(0, 1, 1))
+    prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1]]
+    results = []
+    for served in (target, plain):
+        drafter = Eagle3Drafter(head, served.model, 2, MAX_SEQ_LEN)
+        cache = served.model.new_cache(2, MAX_SEQ_LEN)
+        slots = [cache.allocate() for _ in prompts]
+        batch = served.model.batch(cache, slots, [p[:-1] for p in prompts])
+        taps = served.model(batch, cache, capture=drafter.capture_layers).hidden
+        seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(prompts)]
+        drafter.admit(seqs, taps)
+        chain = [drafter.next_logits[[s.draft_slot for s in seqs]].clone()]
+        for step, tokens in enumerate(([5, 6], [7, 8])):
+            chain.append(drafter.draft([s.draft_slot for s in seqs], tokens, step).clone())
+        values = [drafter.cache.v[0, s.draft_slot, : len(p) + 1] for s, p in zip(seqs, prompts)]
+        results.append((drafter, chain, values))
+    (compiled, chain, values), (reference, expected, expected_values) = results
+    assert compiled.native is not None and reference.native is None
+    for got, want in zip(chain, expected):
+        assert torch.allclose(got, want, atol=1e-3)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for got, want in zip(values, expected_values):
+        assert torch.allclose(got, want, atol=1e-4)
+
+
 @pytest.mark.parametrize("verification", ["block", "token"])
 def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification):
     target, _ = tiny_vocab_pair
