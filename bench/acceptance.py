@@ -1,9 +1,11 @@
-"""How often the default draft agrees with the default target on held-out code.
+"""How often a drafter's drafts agree with the default target on held-out code.
 
-    python -m bench.acceptance [--prompts 24] [--steps 4] [--max-tokens 96]
+    python -m bench.acceptance [--drafter draft_model|dflash|eagle3] [--prompts 24] [--steps 4]
+        [--max-tokens 96]
 
 Prompts are cut from the standard library's test files (held out from training); decoding is
-greedy with the draft proposing --steps tokens per round. Prints the mean number of accepted
+greedy with the drafter (the draft model by default, or the DFlash drafter or EAGLE-3 head the
+config names) proposing --steps tokens per round. Prints the mean number of accepted
 drafts per round, the acceptance rate at each chain position, and target-only tokens/s at batch 1.
 """
 
@@ -11,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
+from pathlib import Path
 
 from bench.prompts import code_prompts
-from engine.checkpoint import load_checkpoint
+from bench.spec import ROOT
+from control.config import load_config
+from daemon.runtime import build_drafter, load_models
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter
 from engine.generate import generate
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -25,22 +30,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="models/target")
     parser.add_argument("--draft", default="models/draft")
+    parser.add_argument("--drafter", default="draft_model", choices=("draft_model", "dflash", "eagle3"))
+    parser.add_argument("--dflash", default="models/dflash")
+    parser.add_argument("--eagle3", default="models/eagle3")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
+    config = load_config(ROOT / "config.toml")
+    paths = {name: Path(getattr(args, name)) for name in ("target", "draft", "dflash", "eagle3")}
+    snapshot = replace(config, engine=replace(config.engine, drafter=args.drafter, **paths))
+    models = load_models(snapshot)
+    target = models.target
     prompts = [target.tokenizer.encode(p).ids for p in code_prompts(args.prompts, args.seed)]
     params = SamplingParams(max_tokens=args.max_tokens)
     batch = 4
     max_seq_len = max(len(p) for p in prompts) + args.max_tokens + 1
-    engine = Engine(target, DraftModelDrafter(draft, batch, max_seq_len), batch, max_seq_len, [args.steps])
+    drafter = build_drafter(snapshot.engine, models, batch, max_seq_len)
+    engine = Engine(target, drafter, batch, max_seq_len, [args.steps])
     engine.run_until_done(Request(tuple(p), params) for p in prompts)
     stats = engine.state.stats
     verified_rounds = stats.proposed_at[0] if stats.proposed_at else 0
-    print(f"{len(prompts)} held-out prompts, greedy, k={args.steps}, up to {args.max_tokens} tokens each")
+    print(
+        f"{len(prompts)} held-out prompts, {args.drafter}, greedy, k={args.steps}, up to {args.max_tokens} tokens each"
+    )
     print(f"mean accepted drafts per round: {stats.drafts_accepted / max(verified_rounds, 1):.3f}")
     rates = [a / p for a, p in zip(stats.accepted_at, stats.proposed_at) if p]
     print("acceptance by position (of all rounds): " + ", ".join(f"{r:.3f}" for r in rates))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
-from control.config import ConfigSnapshot
+from control.config import ConfigSnapshot, EngineSettings
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.config import DFLASH_KINDS, DRAFT_MODEL_KINDS, EAGLE3_KINDS
 from engine.controller import Controller, SwitchObserver
@@ -74,6 +74,33 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
     return Models(target, draft, dflash, eagle3)
 
 
+def build_drafter(settings: EngineSettings, models: Models, batch: int, seq_len: int) -> Drafter | None:
+    """The drafter [engine] names, on the loaded models; None for drafter = "none"."""
+    if settings.drafter in DFLASH_KINDS:
+        if models.dflash is None:
+            raise ValueError(
+                f"drafter {settings.drafter} needs a DFlash checkpoint (engine.dflash = {settings.dflash})"
+            )
+        if settings.drafter == "dflash":
+            return DFlashDrafter(models.dflash, models.target.model, batch, seq_len)
+        lookups = (settings.ngram_min, settings.ngram_max, settings.lookup_history)
+        return HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, *lookups)
+    if settings.drafter in EAGLE3_KINDS:
+        if models.eagle3 is None:
+            raise ValueError(f"drafter {settings.drafter} needs an EAGLE-3 head (engine.eagle3 = {settings.eagle3})")
+        return Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len)
+    return make_drafter(
+        settings.drafter,
+        models.draft,
+        batch,
+        seq_len,
+        quantize=settings.draft_quantization == "int8",
+        ngram_min=settings.ngram_min,
+        ngram_max=settings.ngram_max,
+        lookup_history=settings.lookup_history,
+    )
+
+
 def build_controller(
     snapshot: ConfigSnapshot,
     models: Models,
@@ -88,32 +115,7 @@ def build_controller(
     settings = snapshot.engine
     batch = max_batch_size or settings.max_batch_size
     seq_len = max_seq_len or settings.max_seq_len
-    drafter: Drafter | None = None
-    if settings.drafter in DFLASH_KINDS:
-        if models.dflash is None:
-            raise ValueError(
-                f"drafter {settings.drafter} needs a DFlash checkpoint (engine.dflash = {settings.dflash})"
-            )
-        if settings.drafter == "dflash":
-            drafter = DFlashDrafter(models.dflash, models.target.model, batch, seq_len)
-        else:
-            lookups = (settings.ngram_min, settings.ngram_max, settings.lookup_history)
-            drafter = HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, *lookups)
-    elif settings.drafter in EAGLE3_KINDS:
-        if models.eagle3 is None:
-            raise ValueError(f"drafter {settings.drafter} needs an EAGLE-3 head (engine.eagle3 = {settings.eagle3})")
-        drafter = Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len)
-    elif settings.drafter != "none":
-        drafter = make_drafter(
-            settings.drafter,
-            models.draft,
-            batch,
-            seq_len,
-            quantize=settings.draft_quantization == "int8",
-            ngram_min=settings.ngram_min,
-            ngram_max=settings.ngram_max,
-            lookup_history=settings.lookup_history,
-        )
+    drafter = build_drafter(settings, models, batch, seq_len)
     first, *others = required_k(snapshot)
     with phase(f"allocate caches, build runtime state k={first}"):
         engine = Engine(
