@@ -120,7 +120,11 @@ class Eagle3Model(nn.Module):
 
     def logits(self, out: Tensor) -> Tensor:
         """Logits over the target's vocabulary of an output feature."""
-        return self.full_vocabulary(self.lm_head(self.norm(out)))
+        return self.full_vocabulary(self.draft_logits(out))
+
+    def draft_logits(self, out: Tensor) -> Tensor:
+        """Logits over the draft vocabulary (draft id d is target id `draft_to_target()[d]`)."""
+        return self.lm_head(self.norm(out))
 
     def full_vocabulary(self, logits: Tensor) -> Tensor:
         """Draft-vocabulary logits placed in the target's vocabulary, the ids outside at -inf."""
@@ -130,7 +134,8 @@ class Eagle3Model(nn.Module):
         return full.index_copy(-1, self.draft_to_target(), logits)
 
     def draft_to_target(self) -> Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        ids = torch.arange(self.config.draft_vocab_size, device=self.lm_head.weight.device)
+        return ids + self.d2t if self.config.draft_vocab_size < self.config.vocab_size else ids
 
 
 def save_eagle3(model: Eagle3Model, path: Path) -> None:

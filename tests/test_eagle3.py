@@ -387,3 +387,18 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert head.taps == tuple(report["taps"])
     resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
+
+    # A head over the 16 most frequent tokens, started from the first one's rows for them.
+    reduced = tmp_path / "reduced"
+    command[3], command[5] = str(reduced), "10"
+    command[command.index("--work") + 1] = str(tmp_path / "work16")
+    command += ["--init", str(out), "--draft-vocab", "16"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    small = load_eagle3(reduced, target.model)
+    ids = small.draft_to_target()
+    counts = torch.bincount(torch.load(work / "greedy.pt").flatten(), minlength=64)
+    outside = counts.clone()
+    outside[ids] = -1
+    assert small.config.draft_vocab_size == 16 and int(counts[ids].min()) >= int(outside.max())  # the most frequent
+    assert bool(small.t2d[ids].all()) and int(small.t2d.sum()) == 16

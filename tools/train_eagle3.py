@@ -1,7 +1,7 @@
 """Train an EAGLE-3 head for a target adaspec loads.
 
     python tools/train_eagle3.py TARGET OUT [--steps 2000] [--unroll 7] [--decay 0.8] [--batch 8]
-        [--seq-len 256] [--chains 48] [--lr 6e-4] [--taps L1 L2 L3] [--work DIR] [--seed 0]
+        [--seq-len 256] [--chains 48] [--lr 6e-4] [--taps L1 L2 L3] [--draft-vocab N] [--work DIR] [--seed 0]
         [--regenerate N [--prompt-len 96]] [--init HEAD] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
 
 The published recipe, small. The head reads the target's outputs at three layers (by default
@@ -13,7 +13,10 @@ target's next-token distribution at p + j + 1 (soft targets), weighted decay^j. 
 schedule. The target's features are computed on the fly (for a target this small that is cheaper
 than reading them back from disk). With --regenerate N the data are N windows of --prompt-len
 training tokens each followed by the target's own greedy continuation to --seq-len (what the head
-meets when the target serves greedily), and chains start in the continuation.
+meets when the target serves greedily), and chains start in the continuation. With --draft-vocab N
+the head drafts only the N tokens most frequent in the training data (a smaller LM head, so a
+cheaper step; d2t and t2d map them, as the published heads do), and the target's distribution is
+renormalized over them; --init from a head over the whole vocabulary keeps its rows for them.
 
 Data, resumption and the final report are those of tools/train_dflash.py: the standard library's
 .py files by default (its test files held out), a checkpoint in --work every 100 steps, and at the
@@ -52,6 +55,11 @@ from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3  
 from engine.model import Transformer  # noqa: E402
 
 
+def frequent_tokens(tokens: Tensor, count: int) -> Tensor:
+    """The `count` ids most frequent in `tokens`, ascending."""
+    return torch.bincount(tokens.flatten(), minlength=count).topk(count).indices.sort().values
+
+
 def head_config(target: Transformer, args: argparse.Namespace) -> Eagle3Config:
     tc = target.config
     config = Eagle3Config(
@@ -61,7 +69,7 @@ def head_config(target: Transformer, args: argparse.Namespace) -> Eagle3Config:
         head_dim=tc.head_dim,
         intermediate_size=tc.intermediate_size,
         vocab_size=tc.vocab_size,
-        draft_vocab_size=tc.vocab_size,  # a reduced vocabulary pays only for vocabularies far larger
+        draft_vocab_size=args.draft_vocab or tc.vocab_size,
         target_hidden_size=tc.hidden_size,
         target_layer_ids=None,
         rms_norm_eps=tc.rms_norm_eps,
@@ -110,7 +118,9 @@ def ttt_loss(
     batch, length = tokens.shape
     with torch.no_grad():
         logits, taps = target.train_layers(tokens, head.taps)
-        log_p = F.log_softmax(logits.float(), dim=-1)  # the target's next-token distribution per position
+        assert logits is not None
+        # The target's next-token distribution per position, over the draft vocabulary.
+        log_p = F.log_softmax(logits.float()[..., head.draft_to_target()], dim=-1)
         embeds = target.embed_tokens(tokens).float()
     features = head.features(torch.cat([taps[i] for i in head.taps], dim=-1).float())
     entries = length - 1  # position p reads token p + 1
@@ -127,7 +137,7 @@ def ttt_loss(
             own.append((k, v))
         attended = chain_attention(q, keys, values, starts, own)
         feature = head.finish(attended, feature)
-        log_q = F.log_softmax(head.logits(feature).float(), dim=-1)
+        log_q = F.log_softmax(head.draft_logits(feature).float(), dim=-1)
         label = log_p[rows, starts + j + 1]
         kl = (label.exp() * (label - log_q)).sum(-1).mean()
         total = total + decay**j * kl
@@ -147,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chains", type=int, default=48, help="chain starts per sequence")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--taps", type=int, nargs=3, default=None, help="target layers read (default: SGLang's)")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="draft only the N most frequent tokens (0: all)")
     parser.add_argument("--regenerate", type=int, default=0)
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--init", type=Path, default=None, help="start from this head's weights (same shape)")
@@ -166,25 +177,28 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")
     config = head_config(model, args)
     assert config.target_layer_ids is not None
-    head = Eagle3Model(config, config.target_layer_ids)
-    if args.init is not None:
-        head.load_state_dict(load_eagle3(args.init, model).state_dict())
     work = args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     if args.regenerate:
         if not 0 < args.prompt_len < args.seq_len - args.unroll - 1:
             raise SystemExit(
-                f"--prompt-len must be between 1 and --seq-len - --unroll - 2 ({args.seq_len - args.unroll - 2})"
+                f"--prompt-len must be between 1 and {args.seq_len - args.unroll - 2} (--seq-len - --unroll - 2)"
             )
+        new_tokens = args.seq_len - args.prompt_len
         sequences = greedy_continuations(
-            args.target,
-            data,
-            args.regenerate,
-            args.prompt_len,
-            args.seq_len - args.prompt_len,
-            work / "greedy.pt",
-            args.seed,
+            args.target, data, args.regenerate, args.prompt_len, new_tokens, work / "greedy.pt", args.seed
         )
+    head = Eagle3Model(config, config.target_layer_ids)
+    if config.draft_vocab_size < config.vocab_size:
+        ids = frequent_tokens(sequences if args.regenerate else data, config.draft_vocab_size)
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+        head.t2d[ids] = True
+    if args.init is not None:
+        start = load_eagle3(args.init, model).state_dict()
+        if start["lm_head.weight"].shape[0] == config.vocab_size > config.draft_vocab_size:
+            start["lm_head.weight"] = start["lm_head.weight"][head.draft_to_target()]  # its rows for our ids
+            start.update(d2t=head.d2t, t2d=head.t2d)
+        head.load_state_dict(start)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
     step, losses, per_step = 0, [], []
