@@ -234,8 +234,7 @@ class Eagle3Drafter:
             selected.append(len(slots) - 1)
             self.cache.lengths[seq.draft_slot] = start + count
         if slots:
-            features = self.model.features(torch.cat(pieces).to(self.model.fc.weight.dtype))
-            self.step(tokens, features, slots, positions, selected)
+            self.step(tokens, torch.cat(pieces), slots, positions, selected, taps=True)
 
     def draft(self, slots: list[int], tokens: list[int], step: int) -> Tensor:
         """One draft step: each slot's chain entry `step` past its verified ones, reading the token
@@ -244,17 +243,26 @@ class Eagle3Drafter:
         return self.step(tokens, self.next_feature[slots], slots, positions, list(range(len(slots))))
 
     def step(
-        self, tokens: list[int], features: Tensor, slots: list[int], positions: list[int], selected: list[int]
+        self,
+        tokens: list[int],
+        features: Tensor,
+        slots: list[int],
+        positions: list[int],
+        selected: list[int],
+        taps: bool = False,
     ) -> Tensor:
-        """Entries for each token (reading tokens[t] beside features[t]) at slots[t], positions[t];
-        the `selected` ones attend to their slot up to there and finish the layer, their output
+        """Entries for each token (reading tokens[t] beside features[t], or beside the feature fc
+        makes of the tapped hidden states features[t] with `taps`) at slots[t], positions[t]; the
+        `selected` ones attend to their slot up to there and finish the layer, their output
         features and logits becoming their slots' next. Returns those logits [selected, V]."""
         model, device = self.model, self.model.fc.weight.device
         chosen = [slots[t] for t in selected]
         if self.native is not None:
-            out, logits = self.native.step(self.cache, tokens, features.float(), slots, positions, selected)
+            out, logits = self.native.step(self.cache, tokens, features, slots, positions, selected, taps)
             logits = model.full_vocabulary(logits)
         else:
+            if taps:
+                features = model.features(features.to(model.fc.weight.dtype))
             embeds = self.target.embed_tokens(torch.tensor(tokens, device=device)).to(features.dtype)
             where = torch.tensor(positions, device=device)
             q, k, v = model.qkv(embeds, features, where)

@@ -534,13 +534,15 @@ int adaspec_dflash_context(const Model *m, const Context *c, const Cache *cache,
 
 /* One step of an EAGLE-3 head (a one-layer model, `m`, whose q, k and v read [input_norm(embedding
  * of token t), hidden_norm(feature t)], width 2 * hidden, and whose residual stream is the feature).
+ * With `fc`, `features` are the target's tapped hidden states side by side ([tokens, fc->k]) and
+ * the features are fc of them; without, they are the features ([tokens, hidden]).
  * Every token's keys and values go to the head's cache at slot[t], position[t]; the `outputs`
  * tokens `selected` then attend to their slot up to their position and finish the layer: their
  * output features ([outputs, hidden]) and their logits ([outputs, vocab]). The draft-extend
  * passes a round's kept tokens and selects each sequence's last; a chain step passes one token a
  * sequence and selects them all. */
-int adaspec_eagle3_step(const Model *m, const float *hidden_norm, const Cache *cache, int tokens,
-                        const int64_t *token_ids, const float *features, const int32_t *slot,
+int adaspec_eagle3_step(const Model *m, const float *hidden_norm, const Linear *fc, const Cache *cache, int tokens,
+                        const int64_t *token_ids, const float *inputs, const int32_t *slot,
                         const int32_t *position, int outputs, const int32_t *selected, float *out_features,
                         float *logits, int threads) {
     const int hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
@@ -554,18 +556,20 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, const Cache *c
     const int64_t keys_padded = (int64_t)(longest + PANEL - 1) / PANEL * PANEL;
     const int64_t per_thread = TILE_ROWS * dim + TILE_ROWS * keys_padded + 2 * 16;
     const int64_t normed = (int64_t)outputs * hidden + 16;
-    const int64_t widest_k = 2 * hidden > inter ? 2 * hidden : inter;
+    int64_t widest_k = 2 * hidden > inter ? 2 * hidden : inter;
+    if (fc && fc->k > widest_k) widest_k = fc->k;
     const int64_t widest = (widest_k > q_size ? widest_k : q_size) * PANEL + 16;
-    const int64_t floats = (int64_t)tokens * (2 * hidden + qkv_size) + (int64_t)outputs * (q_size + inter) +
-                           threads * (per_thread + normed + widest) + 16 * 6;
+    const int64_t floats = (int64_t)tokens * (3 * hidden + qkv_size) + (int64_t)outputs * (q_size + inter) +
+                           threads * (per_thread + normed + widest) + 16 * 7;
     float *arena = malloc(sizeof(float) * (size_t)floats);
     if (!arena) return -1;
     float *next = arena;
     float *joined = take(&next, (int64_t)tokens * 2 * hidden), *qkv = take(&next, (int64_t)tokens * qkv_size);
     float *attn = take(&next, (int64_t)outputs * q_size), *act = take(&next, (int64_t)outputs * inter);
     float *normed_arena = take(&next, threads * normed), *widened_arena = take(&next, threads * widest);
-    float *attend_arena = next;
+    float *fused = take(&next, (int64_t)tokens * hidden), *attend_arena = next;
     float *x = out_features; /* the residual stream of the selected tokens, finished in place */
+    const float *features = fc ? fused : inputs;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -573,6 +577,7 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, const Cache *c
         const AttendScratch my_scratch = {mine, mine + TILE_ROWS * dim + 16};
         float *h = normed_arena + omp_get_thread_num() * normed;
         float *widened = widened_arena + omp_get_thread_num() * widest;
+        if (fc) linear(inputs, tokens, fc, fused, hidden, NULL, 0, widened);
 #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {
             float embedded[hidden];

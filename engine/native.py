@@ -208,6 +208,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.adaspec_eagle3_step.argtypes = [
         ctypes.POINTER(_Model),
         _ptr,
+        ctypes.POINTER(_Linear),
         ctypes.POINTER(_Cache),
         ctypes.c_int,
         _ptr,
@@ -518,7 +519,9 @@ class NativeEagle3:
         config, layer = model.config, model.midlayer
         attention, mlp = layer.self_attn, layer.mlp
         self.lib, self.target = lib, target  # the target's embedding must outlive our pointer to it
-        self.weights = weights = _Weights(bf16=target.weights.bf16)
+        # Its linear weights in bfloat16 whatever the target's: half the bytes a step streams; the
+        # drafts' precision moves only how many are kept, never the output.
+        self.weights = weights = _Weights(bf16=True)
         qkv = torch.cat((attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight))
         self._layer = (_Layer * 1)(
             _Layer(
@@ -533,6 +536,7 @@ class NativeEagle3:
             )
         )
         self.hidden_norm = weights.keep(layer.hidden_norm.weight)
+        self.fc = weights.linear(model.fc.weight)
         cos, sin = model.rope(torch.arange(positions, device=model.fc.weight.device))
         self.model = _Model(
             1,
@@ -563,12 +567,14 @@ class NativeEagle3:
         slots: list[int],
         positions: list[int],
         selected: list[int],
+        taps: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """Token t (reading tokens[t] beside features[t], float32 [tokens, hidden]) becomes an
-        entry of slots[t] at positions[t]; the `selected` tokens finish the layer: their output
-        features [outputs, hidden] and draft-vocabulary logits [outputs, draft vocab]."""
+        """Token t (reading tokens[t] beside features[t], float32 [tokens, hidden]; with `taps`,
+        the target's tapped hidden states side by side, which fc fuses) becomes an entry of
+        slots[t] at positions[t]; the `selected` tokens finish the layer: their output features
+        [outputs, hidden] and draft-vocabulary logits [outputs, draft vocab]."""
         count, outputs = len(tokens), len(selected)
-        features = features.contiguous()
+        features = features.float().contiguous()
         ids = (ctypes.c_int64 * count)(*tokens)
         meta = (_i32 * (2 * count + outputs))(*slots, *positions, *selected)
         base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
@@ -577,6 +583,7 @@ class NativeEagle3:
         failed = self.lib.adaspec_eagle3_step(
             ctypes.byref(self.model),
             self.hidden_norm,
+            ctypes.byref(self.fc) if taps else None,
             ctypes.byref(self._cache(cache)),
             count,
             ctypes.addressof(ids),

@@ -132,13 +132,16 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(pair)
     assert drafted and set(drafted) <= allowed and len(allowed) == 20
 
 
-def test_the_served_chain_is_the_unroll_it_was_trained_on(pair):
+def test_the_served_chain_is_the_unroll_it_was_trained_on(tmp_path):
     """tools/train_eagle3.py computes a chain's logits (training-time test) as the drafter does
-    when serving: the same tokens give the same logits at every step of the chain."""
+    when serving (on PyTorch operators, as training runs): the same tokens give the same logits
+    at every step of the chain."""
     sys.path.insert(0, str(ROOT / "tools"))
     from train_eagle3 import chain_attention
 
-    target, _ = pair
+    from tests.conftest import tiny_pair
+
+    target, _ = tiny_pair(tmp_path, native_forward=False)
     head = head_for(target.model, taps=(0, 1, 1))
     tokens = torch.tensor([PROMPTS[0] + PROMPTS[2] + PROMPTS[1]])
     start, unroll = 9, 4
@@ -224,11 +227,13 @@ def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path):
         results.append((drafter, chain, values))
     (compiled, chain, values), (reference, expected, expected_values) = results
     assert compiled.native is not None and reference.native is None
+    # The compiled head streams its weights in bfloat16: equal up to their rounding.
     for got, want in zip(chain, expected):
-        assert torch.allclose(got, want, atol=1e-3)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        finite = want.isfinite()
+        assert torch.equal(finite, got.isfinite()) and int(finite.sum()) == 2 * 24
+        assert torch.allclose(got[finite], want[finite], atol=0.05, rtol=0.02)
     for got, want in zip(values, expected_values):
-        assert torch.allclose(got, want, atol=1e-4)
+        assert torch.allclose(got, want, atol=0.02, rtol=0.02)
 
 
 @pytest.mark.parametrize("verification", ["block", "token"])
