@@ -92,12 +92,14 @@ def time_eagle3(drafter: Eagle3Drafter, served: Transformer, rows: int, kept: in
     taps = served(served.batch(cache, slots, context), cache, capture=drafter.capture_layers).hidden
     seqs = [Sequence(Request(tuple(c)), slot=s, generator=None, tokens=list(c)) for s, c in zip(slots, context)]
     drafter.admit(seqs, taps)
+    drafter.catch_up(seqs)
     stepping, extending = [], []
     for _ in range(count + 1):
         for seq in seqs:
             drafter.cache.truncate(seq.draft_slot, 300 - kept)
         began = time.perf_counter()
         drafter.accept(seqs, [kept - 1] * rows, taps)
+        drafter.catch_up(seqs)
         extending.append(time.perf_counter() - began)
         began = time.perf_counter()
         drafter.draft([s.draft_slot for s in seqs], [3] * rows, 0)

@@ -10,8 +10,9 @@ of the token it just drafted, as SGLang's topk = 1 EAGLE worker does.
 
 Per sequence the head keeps its own keys and values: one entry per position the target has
 verified (from the target's features), then the current chain's entries past them, overwritten
-by the next round. After each verify the kept positions become entries (the draft-extend), and
-the last one's output is already the next chain's first draft.
+by the next round. The kept positions of each verify become entries when the sequence next
+drafts (the draft-extend: a sequence served at k = 0 costs the head nothing), and the last
+one's output is already the chain's first draft.
 
 The checkpoint is a directory in the layout SpecForge and the EAGLE-3 reference write (see
 `Eagle3Config`): config.json and model.safetensors with fc, midlayer.*, norm, lm_head, and d2t
@@ -204,33 +205,41 @@ class Eagle3Drafter:
         # is the next chain's first draft.
         self.next_logits = torch.zeros(max_batch_size, config.vocab_size, dtype=param.dtype, device=param.device)
         self.next_feature = torch.zeros(max_batch_size, config.hidden_size, dtype=param.dtype, device=param.device)
+        self.waiting: dict[int, list[Tensor]] = {}  # per slot: tapped hidden states not yet entries
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
         for seq in seqs:
             seq.draft_slot = self.cache.allocate()
-        self.extend(seqs, [len(seq.tokens) - 1 for seq in seqs], hidden)  # all but the newest went through
+        self.hold(seqs, [len(seq.tokens) - 1 for seq in seqs], hidden)  # all but the newest went through
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
-        """The pending token and the kept drafts become entries (from the verify's hidden states);
-        the chain's own entries past them are overwritten."""
-        self.extend(seqs, [kept + 1 for kept in accepted], hidden)
+        """The pending token and the kept drafts are to become entries (from the verify's hidden
+        states); the chain's own entries past them will be overwritten."""
+        self.hold(seqs, [kept + 1 for kept in accepted], hidden)
+
+    def hold(self, seqs: Seq[Sequence], counts: Seq[int], hidden: dict[int, Tensor]) -> None:
+        """Keep row r's first counts[r] tapped hidden states (`hidden`: per tap [rows, width, H])
+        until seqs[r] next drafts: a sequence served at k = 0 costs the head nothing."""
+        taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)  # a copy: the forward's buffers move on
+        for row, (seq, count) in enumerate(zip(seqs, counts)):
+            if count > 0:
+                self.waiting.setdefault(seq.draft_slot, []).append(taps[row, :count])
 
     @torch.inference_mode()
-    def extend(self, seqs: Seq[Sequence], counts: Seq[int], hidden: dict[int, Tensor]) -> None:
-        """Row r's first counts[r] tapped hidden states (`hidden`: per tap [rows, width, H]) become
-        entries of seqs[r] at its next positions (the draft-extend); each sequence's last one
-        gives its next draft."""
-        taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)
+    def catch_up(self, seqs: Seq[Sequence]) -> None:
+        """The held hidden states of `seqs` become entries at their next positions, every
+        sequence in one step (the draft-extend); each sequence's last one gives its next draft."""
         slots, positions, tokens, pieces, selected = [], [], [], [], []
-        for row, (seq, count) in enumerate(zip(seqs, counts)):
-            if count <= 0:
+        for seq in seqs:
+            held = self.waiting.pop(seq.draft_slot, None)
+            if not held:
                 continue
-            start = self.cache.lengths[seq.draft_slot]
+            start, count = self.cache.lengths[seq.draft_slot], sum(len(t) for t in held)
             slots += [seq.draft_slot] * count
             positions += range(start, start + count)
             tokens += seq.tokens[start + 1 : start + count + 1]  # position p reads token p + 1
-            pieces.append(taps[row, :count])
+            pieces += held
             selected.append(len(slots) - 1)
             self.cache.lengths[seq.draft_slot] = start + count
         if slots:
@@ -290,6 +299,7 @@ class Eagle3Drafter:
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
             return proposals
+        self.catch_up([seqs[i] for i in active])
         logits = self.next_logits[[seqs[i].draft_slot for i in active]]
         step = 0
         while True:
@@ -321,5 +331,6 @@ class Eagle3Drafter:
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:
+            self.waiting.pop(seq.draft_slot, None)
             self.cache.release(seq.draft_slot)
             seq.draft_slot = None

@@ -116,6 +116,33 @@ def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_he
         assert 0 < accepted < proposed  # kept some, rejected others
 
 
+def test_rounds_at_k_0_cost_the_head_nothing_and_drafting_again_catches_up(pair):
+    """The draft-extend waits until a sequence next drafts: rounds at k = 0 run no head step, and
+    the first round at k > 0 after them makes every held position an entry at once."""
+    target, _ = pair
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = engine_for(target, 2, (0, 3), 0)
+    drafter: Eagle3Drafter = engine.drafter  # type: ignore[assignment]
+    steps: list[int] = []
+    step = drafter.step
+    drafter.step = lambda tokens, *a, **kw: steps.append(len(tokens)) or step(tokens, *a, **kw)  # type: ignore[method-assign]
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(6):
+        for out in engine.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert not steps
+    verified = sum(len(seq.tokens) - 1 for seq in engine.running)  # every position the target went through
+    engine.select(3)
+    while engine.has_work:
+        for out in engine.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert steps[0] == verified  # the prompts and six rounds, in one step
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+
+
 def test_a_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(pair):
     target, _ = pair
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -167,6 +194,7 @@ def test_the_served_chain_is_the_unroll_it_was_trained_on(tmp_path):
     hidden = target.model(target.model.batch(cache, [slot], [prefix[:-1]]), cache, capture=drafter.capture_layers)
     seq = Sequence(Request(tuple(prefix), SamplingParams()), slot=0, generator=None, tokens=list(prefix))
     drafter.admit([seq], hidden.hidden)
+    drafter.catch_up([seq])
     served = [drafter.next_logits[seq.draft_slot].clone()]
     for j in range(1, unroll):
         served.append(drafter.draft([seq.draft_slot], [int(tokens[0, start + 1 + j])], j - 1)[0])
@@ -185,6 +213,8 @@ def test_the_cache_follows_the_target_and_rolls_back_exactly(pair, trained_head)
         engine.step()
     (seq,) = engine.running
     assert engine.state.stats.drafts_proposed > engine.state.stats.drafts_accepted > 0
+    assert drafter.waiting[seq.draft_slot]  # the last verify's kept positions wait for the next draft
+    drafter.catch_up([seq])
     length = drafter.cache.lengths[seq.draft_slot]
     assert length == len(seq.tokens) - 1  # one entry per position the target verified
 
@@ -194,6 +224,7 @@ def test_the_cache_follows_the_target_and_rolls_back_exactly(pair, trained_head)
     fresh = Eagle3Drafter(drafter.model, target.model, 1, MAX_SEQ_LEN)
     twin = Sequence(seq.request, slot=0, generator=None, tokens=list(seq.tokens))
     fresh.admit([twin], hidden.hidden)
+    fresh.catch_up([twin])
     for built, rebuilt in ((drafter.cache.k, fresh.cache.k), (drafter.cache.v, fresh.cache.v)):
         assert torch.allclose(built[0, seq.draft_slot, :length], rebuilt[0, twin.draft_slot, :length], atol=1e-4)
     assert torch.allclose(drafter.next_logits[seq.draft_slot], fresh.next_logits[twin.draft_slot], atol=1e-4)
@@ -220,6 +251,7 @@ def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path):
         taps = served.model(batch, cache, capture=drafter.capture_layers).hidden
         seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(prompts)]
         drafter.admit(seqs, taps)
+        drafter.catch_up(seqs)
         chain = [drafter.next_logits[[s.draft_slot for s in seqs]].clone()]
         for step, tokens in enumerate(([5, 6], [7, 8])):
             chain.append(drafter.draft([s.draft_slot for s in seqs], tokens, step).clone())
