@@ -139,10 +139,17 @@ class Eagle3Model(nn.Module):
         return ids + self.d2t if self.config.draft_vocab_size < self.config.vocab_size else ids
 
 
-def save_eagle3(model: Eagle3Model, path: Path) -> None:
+def save_eagle3(model: Eagle3Model, path: Path, dtype: torch.dtype | None = None) -> None:
+    """The head's directory; its float weights in `dtype` if given (the maps stay integers)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    raw = model.config.to_json()
+    if dtype is not None:
+        raw["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    state = {
+        k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in model.state_dict().items()
+    }
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
 
 
 def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:

@@ -287,19 +287,16 @@ def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification):
 
 
 def published_head(model: Eagle3Model, path, **config) -> None:
-    """`model` written as SpecForge writes a head: its config keys, the taps under eagle_config,
-    the target's embedding carried along, d2t and t2d beside the weights."""
-    save_eagle3(model, path)
+    """`model` written as SpecForge writes a head: bfloat16 weights, its config keys, the taps
+    under eagle_config, the target's embedding carried along, d2t and t2d beside the weights."""
+    save_eagle3(model, path, torch.bfloat16)
     raw = json.loads((path / "config.json").read_text())
     raw.pop("target", None)
-    raw.update({"torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True}, **config)
+    raw.update({"transformers_version": "4.51.0", "use_cache": True}, **config)
     (path / "config.json").write_text(json.dumps(raw))
     state = load_file(str(path / "model.safetensors"))
-    state["embed_tokens.weight"] = torch.zeros(model.config.vocab_size, model.config.hidden_size)
-    save_file(
-        {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
-        str(path / "model.safetensors"),
-    )
+    state["embed_tokens.weight"] = torch.zeros(model.config.vocab_size, model.config.hidden_size, dtype=torch.bfloat16)
+    save_file(state, str(path / "model.safetensors"))
 
 
 def test_a_head_in_the_published_layout_loads_and_drafts_what_it_did(pair, tmp_path):
@@ -308,6 +305,7 @@ def test_a_head_in_the_published_layout_loads_and_drafts_what_it_did(pair, tmp_p
     published_head(model, tmp_path / "head")
     raw = json.loads((tmp_path / "head" / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 24
+    assert raw["torch_dtype"] == "bfloat16"
     assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
     names = set(load_file(str(tmp_path / "head" / "model.safetensors")))
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "d2t", "t2d"} <= names

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                 resume,
             )
     head.eval().requires_grad_(False)
-    save_eagle3(head, args.out)
+    save_eagle3(head, args.out, torch.bfloat16)  # as published heads are: the compiled head streams bfloat16 anyway
     recent = per_step[-20:]
     report: dict = {
         "target": str(args.target),
