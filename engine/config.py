@@ -331,6 +331,10 @@ class Eagle3Config:
 
     @classmethod
     def from_json(cls, raw: dict, source: str = "config.json") -> Eagle3Config:
+        architectures = raw.get("architectures") or []
+        if architectures and not set(architectures) & {"LlamaForCausalLMEagle3", "LlamaForCausalLM"}:
+            # The EAGLE-3 reference writes LlamaForCausalLM, SpecForge LlamaForCausalLMEagle3.
+            raise CheckpointError(f"{source}: not an EAGLE-3 head (architectures {architectures})")
         layers = raw.get("num_hidden_layers", 1)
         if layers != 1:
             raise CheckpointError(f"{source}: an EAGLE-3 head has one decoder layer, this config has {layers}")

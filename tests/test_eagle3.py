@@ -354,6 +354,9 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "taps [7] outside" in broken("taps", lambda c: c.update(eagle_config=taps))
     assert "three" in broken("two", lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1]}))
     assert "one decoder layer" in broken("layers", lambda c: c.update(num_hidden_layers=2))
+    assert "not an EAGLE-3 head (architectures ['DFlashDraftModel'])" in broken(
+        "dflash", lambda c: c.update(architectures=["DFlashDraftModel"])
+    )
     assert "not an EAGLE-3 config" in broken("plain", lambda c: c.pop("hidden_size"))
     assert "missing ['fc.weight']" in broken("fc", lambda c: None, lambda s: s.pop("fc.weight"))
     assert "q_proj.weight has shape" in broken(
