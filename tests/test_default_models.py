@@ -110,3 +110,18 @@ def test_the_shipped_dflash_drafter_fits_the_target_and_serves_it_losslessly(tar
     outputs = engine.run_until_done(requests)
     assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, prompts, params)]
     assert engine.state.stats.drafts_accepted > 0  # trained: some of its drafts are the target's
+
+
+def test_the_shipped_eagle3_head_fits_the_target_and_serves_it_losslessly(target):
+    from engine.eagle3 import Eagle3Drafter, load_eagle3
+
+    head = load_eagle3(ROOT / "models" / "eagle3", target.model)
+    assert head.taps == (1, 3, 4) and head.config.draft_vocab_size == 2048
+    prompts = [target.tokenizer.encode(p).ids[-200:] for p in code_prompts(2, seed=5)]
+    params = SamplingParams(max_tokens=32)
+    engine = Engine(target, Eagle3Drafter(head, target.model, 2, 512), 2, 512, [3], initial_k=3)
+    requests = [Request(tuple(p), params) for p in prompts]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, prompts, params)]
+    stats = engine.state.stats
+    assert stats.drafts_accepted > stats.drafts_proposed / 3  # trained: many of its drafts are the target's
