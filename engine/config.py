@@ -269,6 +269,21 @@ def read_drafter_config(path: Path, kind: str) -> dict[str, Any]:
     return raw
 
 
+def check_weights(source: Path, state: dict[str, Any], expected: dict[str, Any]) -> None:
+    """A drafter's weights (`state`, from `source`) against its model's (`expected`): the same
+    names and shapes, or CheckpointError naming the first that differ."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"{source}: {what}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+
+
 def inspect_dflash(path: Path, target: ModelConfig) -> DFlashConfig:
     """A DFlash checkpoint directory's config, checked against the target, without its weights."""
     raw = read_drafter_config(path, "a DFlash")

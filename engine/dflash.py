@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from engine import native
-from engine.config import CheckpointError, DFlashConfig, RopeConfig, inspect_dflash
+from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflash
 from engine.drafters import LookupFirst, NgramDrafter, Proposal
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
@@ -164,17 +164,7 @@ def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
     model = DFlashModel(config)
     weights = path / "model.safetensors"
     state = load_file(str(weights))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise CheckpointError(f"{weights}: {what}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(
-                f"{weights}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
-            )
+    check_weights(weights, state, model.state_dict())
     model.load_state_dict(state)
     # On a CPU the drafter runs in float32 (PyTorch operators); elsewhere in the target's dtype.
     device = target.embed_tokens.weight.device

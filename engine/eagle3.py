@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from engine import native
-from engine.config import CheckpointError, Eagle3Config, eagle3_taps, inspect_eagle3
+from engine.config import CheckpointError, Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
 from engine.drafters import Proposal
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
@@ -159,30 +159,16 @@ def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
     weights = path / "model.safetensors"
     state = load_file(str(weights))
     state.pop("embed_tokens.weight", None)  # some heads carry the target's embedding: the target's is used
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise CheckpointError(f"{weights}: {what}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(
-                f"{weights}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
-            )
+    check_weights(weights, state, model.state_dict())
     if "d2t" in state:
         ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
         if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
             raise CheckpointError(f"{weights}: d2t maps draft ids outside the vocabulary (0..{config.vocab_size - 1})")
-    model.load_state_dict({k: v.long() if k == "d2t" else v for k, v in state.items()})
-    # On a CPU the head runs in float32; elsewhere in the target's dtype.
+    model.load_state_dict(state)  # copied into the model's own buffers: the maps stay long and bool
+    # On a CPU the head runs in float32; elsewhere in the target's dtype (`to` casts floats only).
     device = target.embed_tokens.weight.device
     dtype = torch.float32 if device.type == "cpu" else target.embed_tokens.weight.dtype
-    model.to(device=device, dtype=dtype)
-    if "d2t" in state:
-        model.d2t = model.d2t.long()  # the dtype cast must not touch the maps
-        model.t2d = model.t2d.bool()
-    return model.eval().requires_grad_(False)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 class Eagle3Drafter:
