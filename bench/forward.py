@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -109,10 +111,28 @@ def time_eagle3(drafter: Eagle3Drafter, served: Transformer, rows: int, kept: in
     return statistics.median(stepping[1:]) * 1e3, statistics.median(extending[1:]) * 1e3
 
 
-def print_row(what: str, times: dict[str, list[float]]) -> None:
-    """A drafter's call: the median ms beside each target, and the compiled one's speed-up."""
-    medians = [statistics.median(t) for t in times.values()]
-    print(f"{what:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {'':>14} {medians[0] / medians[1]:.2f}x")
+def time_calls(
+    drafters: dict[str, Any],
+    forwards: dict[str, Transformer],
+    timer: Callable[[Any, Transformer, int, int, int], tuple[float, float]],
+    names: tuple[str, str],
+    repeats: int,
+) -> None:
+    """Print a drafter's two calls a round (`timer` gives their median ms), at batch 1 and 4 with
+    4 kept tokens a row: the median over `repeats` beside each target (the drafters take turns),
+    and the compiled one's speed-up."""
+    kept = 4
+    for rows in (1, 4):
+        times: tuple[dict[str, list[float]], ...] = ({f: [] for f in drafters}, {f: [] for f in drafters})
+        for _ in range(repeats):
+            for forward, drafter in drafters.items():
+                for call, ms in zip(times, timer(drafter, forwards[forward], rows, kept, 50)):
+                    call[forward].append(ms)
+        for what, call in zip((f"{names[0]}, batch {rows}", f"{names[1]} +{kept}, batch {rows}"), times):
+            medians = [statistics.median(t) for t in call.values()]
+            print(
+                f"{what:<28} " + " ".join(f"{m:>14.3f}" for m in medians) + f" {'':>14} {medians[0] / medians[1]:.2f}x"
+            )
 
 
 def main() -> None:
@@ -147,29 +167,11 @@ def main() -> None:
     if (Path(args.dflash) / "config.json").exists():
         drafters = {forward: DFlashDrafter(load_dflash(args.dflash, model), model, 4, 512) for forward, model in pair}
         print(f"{args.dflash}: a block of {next(iter(drafters.values())).config.block_size}, 300 context tokens a row")
-        for rows, kept in ((1, 4), (4, 4)):
-            drafting: dict[str, list[float]] = {forward: [] for forward in drafters}
-            extending: dict[str, list[float]] = {forward: [] for forward in drafters}
-            for _ in range(args.repeats):
-                for forward, drafter in drafters.items():
-                    draft_ms, extend_ms = time_dflash(drafter, forwards[forward], rows, kept, 50)
-                    drafting[forward].append(draft_ms)
-                    extending[forward].append(extend_ms)
-            print_row(f"dflash draft, batch {rows}", drafting)
-            print_row(f"dflash context +{kept}, batch {rows}", extending)
+        time_calls(drafters, forwards, time_dflash, ("dflash draft", "dflash context"), args.repeats)
     if (Path(args.eagle3) / "config.json").exists():
         heads = {forward: Eagle3Drafter(load_eagle3(args.eagle3, model), model, 4, 512) for forward, model in pair}
         print(f"{args.eagle3}: 300 context tokens a row")
-        for rows, kept in ((1, 4), (4, 4)):
-            stepping: dict[str, list[float]] = {forward: [] for forward in heads}
-            extending = {forward: [] for forward in heads}
-            for _ in range(args.repeats):
-                for forward, head in heads.items():
-                    step_ms, extend_ms = time_eagle3(head, forwards[forward], rows, kept, 50)
-                    stepping[forward].append(step_ms)
-                    extending[forward].append(extend_ms)
-            print_row(f"eagle3 chain step, batch {rows}", stepping)
-            print_row(f"eagle3 extend +{kept}, batch {rows}", extending)
+        time_calls(heads, forwards, time_eagle3, ("eagle3 chain step", "eagle3 extend"), args.repeats)
 
 
 if __name__ == "__main__":
