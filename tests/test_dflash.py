@@ -241,6 +241,19 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
         load_dflash(tmp_path / "nowhere", target.model)
 
 
+def assert_serves_losslessly(controller, target) -> None:
+    """Two prompts served through the controller, its policy choosing k: target-only's output."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    for r in requests:
+        controller.engine.add_request(r)
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+    while controller.engine.has_work:
+        for out in controller.step().outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+
+
 @pytest.mark.parametrize("kind", ["dflash", "hybrid_dflash"])
 def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp_path, kind):
     from control.config import ConfigError, load_config
@@ -258,15 +271,7 @@ def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp
     controller: Controller = build_controller(snapshot, load_models(snapshot), max_batch_size=2)
     drafter = controller.engine.drafter
     assert isinstance(drafter, DFlashDrafter) and isinstance(drafter, HybridDFlashDrafter) == (kind == "hybrid_dflash")
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
-    for r in requests:
-        controller.engine.add_request(r)
-    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
-    while controller.engine.has_work:
-        for out in controller.step().outputs:
-            outputs[out.request_id].extend(out.new_tokens)
-    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+    assert_serves_losslessly(controller, target)
 
     other = dflash_for(target.model)
     wrong = DFlashModel(DFlashConfig(**{**other.config.__dict__, "hidden_size": 32}))

@@ -19,7 +19,7 @@ from engine.generate import generate
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
 from tests.conftest import ROOT
-from tests.test_dflash import serve_switching
+from tests.test_dflash import assert_serves_losslessly, serve_switching
 from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginals, exact_marginals
 
 
@@ -387,15 +387,7 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
     snapshot = load_config(config, check_models=True)
     controller = build_controller(snapshot, load_models(snapshot), max_batch_size=2)
     assert isinstance(controller.engine.drafter, Eagle3Drafter)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
-    for r in requests:
-        controller.engine.add_request(r)
-    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
-    while controller.engine.has_work:
-        for out in controller.step().outputs:
-            outputs[out.request_id].extend(out.new_tokens)
-    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+    assert_serves_losslessly(controller, target)
     assert sum(state.stats.drafts_proposed for state in controller.engine.states.values()) > 0
 
     raw = json.loads((tmp_path / "head" / "config.json").read_text())
