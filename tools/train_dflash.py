@@ -79,6 +79,28 @@ def token_stream(target: Checkpoint, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def training_data(args: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[Path]]:
+    """The target on PyTorch operators (they have a backward), the training tokens of --data (or
+    the standard library's), and the held-out files."""
+    target = load_checkpoint(args.target, native_forward=False)
+    train_files, held_files = (text_files(args.data), text_files(args.held_out or [])) if args.data else default_data()
+    data = token_stream(target, train_files)
+    if len(data) < args.seq_len + 1:
+        raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")
+    return target, data, held_files
+
+
+def training_batch(
+    args: argparse.Namespace, data: torch.Tensor, sequences: torch.Tensor | None, rng: random.Random
+) -> torch.Tensor:
+    """--batch sequences [batch, --seq-len]: regenerated ones drawn at random, or, without them,
+    windows of the training tokens."""
+    if sequences is not None:
+        return sequences[torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])]
+    starts = [rng.randrange(0, len(data) - args.seq_len) for _ in range(args.batch)]
+    return torch.stack([data[s : s + args.seq_len] for s in starts])
+
+
 def draft_config(target: Transformer, args: argparse.Namespace) -> DFlashConfig:
     tc = target.config
     heads = max(1, tc.hidden_size // 64)
@@ -238,12 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    target = load_checkpoint(args.target, native_forward=False)
+    target, data, held_files = training_data(args)
     model = target.model
-    train_files, held_files = (text_files(args.data), text_files(args.held_out or [])) if args.data else default_data()
-    data = token_stream(target, train_files)
-    if len(data) < args.seq_len + 1:
-        raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")
     draft = DFlashModel(draft_config(model, args))
     if args.init is not None:
         draft.load_state_dict(load_dflash(args.init, model).state_dict())
@@ -275,12 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     draft.train()
     while step < args.steps:
-        if args.regenerate:  # blocks start at the last prompt token or after: their labels are the target's
-            tokens = sequences[torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])]
-            first_anchor = args.prompt_len - 1
-        else:
-            starts = [rng.randrange(0, len(data) - args.seq_len) for _ in range(args.batch)]
-            tokens, first_anchor = torch.stack([data[s : s + args.seq_len] for s in starts]), 1
+        tokens = training_batch(args, data, sequences if args.regenerate else None, rng)
+        # With --regenerate, blocks start at the last prompt token or after: their labels are the target's.
+        first_anchor = args.prompt_len - 1 if args.regenerate else 1
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
         loss = block_loss(

@@ -41,12 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_dflash import (  # noqa: E402  (tools/, beside this script)
-    default_data,
     greedy_continuations,
     held_out_acceptance,
     lr_at,
-    text_files,
-    token_stream,
+    training_batch,
+    training_data,
 )
 
 from engine.checkpoint import load_checkpoint  # noqa: E402
@@ -169,12 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    target = load_checkpoint(args.target, native_forward=False)
+    target, data, held_files = training_data(args)
     model = target.model
-    train_files, held_files = (text_files(args.data), text_files(args.held_out or [])) if args.data else default_data()
-    data = token_stream(target, train_files)
-    if len(data) < args.seq_len + 1:
-        raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")
     config = head_config(model, args)
     assert config.target_layer_ids is not None
     work = args.work or args.out / "work"
@@ -213,12 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     head.train()
     while step < args.steps:
-        if args.regenerate:  # chains start at the last prompt token or after: the target's own greedy text
-            tokens = sequences[torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])]
-            first_chain = args.prompt_len - 1
-        else:
-            starts = [rng.randrange(0, len(data) - args.seq_len) for _ in range(args.batch)]
-            tokens, first_chain = torch.stack([data[s : s + args.seq_len] for s in starts]), 0
+        tokens = training_batch(args, data, sequences if args.regenerate else None, rng)
+        # With --regenerate, chains start at the last prompt token or after: the target's own greedy text.
+        first_chain = args.prompt_len - 1 if args.regenerate else 0
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
         loss, kls = ttt_loss(head, model, tokens, args.chains, args.unroll, args.decay, generator, first_chain)
