@@ -685,18 +685,17 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
             found[name] = (values[name], inspect_checkpoint(values[name]))
         except CheckpointError as err:
             issues.append(ConfigIssue(name, str(err)))
-    dflash = values.get("engine.dflash")
-    if values.get("engine.drafter") in DFLASH_KINDS and "engine.target" in found and dflash is not None:
-        try:
-            inspect_dflash(dflash, found["engine.target"][1])
-        except CheckpointError as err:
-            issues.append(ConfigIssue("engine.dflash", str(err)))
-    eagle3 = values.get("engine.eagle3")
-    if values.get("engine.drafter") in EAGLE3_KINDS and "engine.target" in found and eagle3 is not None:
-        try:
-            inspect_eagle3(eagle3, found["engine.target"][1])
-        except CheckpointError as err:
-            issues.append(ConfigIssue("engine.eagle3", str(err)))
+    # The drafters fed the target's hidden states: their checkpoint, checked against the target.
+    for kinds, name, inspect in (
+        (DFLASH_KINDS, "engine.dflash", inspect_dflash),
+        (EAGLE3_KINDS, "engine.eagle3", inspect_eagle3),
+    ):
+        path = values.get(name)
+        if values.get("engine.drafter") in kinds and "engine.target" in found and path is not None:
+            try:
+                inspect(path, found["engine.target"][1])
+            except CheckpointError as err:
+                issues.append(ConfigIssue(name, str(err)))
     if len(found) == 2:
         (target, target_config), (draft, draft_config) = found["engine.target"], found["engine.draft"]
         same_vocabulary = tokenizer_vocabulary(draft) == tokenizer_vocabulary(target)
