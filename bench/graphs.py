@@ -1,6 +1,7 @@
 """Speculative round time at batch 1, eager against graph replay, for each k (CUDA only).
 
-    python -m bench.graphs [--target models/target] [--draft models/draft] [--dtype auto]
+    python -m bench.graphs [--target models/target] [--drafter draft_model|eagle3|dflash]
+        [--draft models/draft] [--eagle3 models/eagle3] [--dflash models/dflash] [--dtype auto]
         [--steps 0,1,3,5,7] [--prompts 4] [--max-tokens 128]
 
 Both engines serve the same greedy code prompts on the same loaded models, one request at a time.
@@ -12,13 +13,17 @@ CUDA device it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from bench.prompts import code_prompts
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter
+from engine.dflash import DFlashDrafter, load_dflash
+from engine.drafters import Drafter, DraftModelDrafter
+from engine.eagle3 import Eagle3Drafter, load_eagle3
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -39,7 +44,10 @@ def round_seconds(engine: Engine, requests: list[Request]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="models/target")
+    parser.add_argument("--drafter", choices=("draft_model", "eagle3", "dflash"), default="draft_model")
     parser.add_argument("--draft", default="models/draft")
+    parser.add_argument("--eagle3", default="models/eagle3")
+    parser.add_argument("--dflash", default="models/dflash")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", default="0,1,3,5,7")
     parser.add_argument("--prompts", type=int, default=4)
@@ -50,17 +58,27 @@ def main() -> None:
         return
 
     dtype = None if args.dtype == "auto" else args.dtype
-    target, draft = load_checkpoint(args.target, "cuda", dtype), load_checkpoint(args.draft, "cuda", dtype)
+    target = load_checkpoint(args.target, "cuda", dtype)
+    make: Callable[[], Drafter]
+    if args.drafter == "eagle3":
+        head = load_eagle3(args.eagle3, target.model)
+        make = partial(Eagle3Drafter, head, target.model, 1, MAX_SEQ_LEN)
+    elif args.drafter == "dflash":
+        block = load_dflash(args.dflash, target.model)
+        make = partial(DFlashDrafter, block, target.model, 1, MAX_SEQ_LEN)
+    else:
+        draft = load_checkpoint(args.draft, "cuda", dtype)
+        make = partial(DraftModelDrafter, draft, 1, MAX_SEQ_LEN)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     limit = MAX_SEQ_LEN - args.max_tokens
     requests = [Request(tuple(target.tokenizer.encode(p).ids[-limit:]), params) for p in code_prompts(args.prompts)]
     steps = [int(k) for k in args.steps.split(",")]
-    print(f"{torch.cuda.get_device_name()}, {target.model.embed_tokens.weight.dtype}, batch 1, greedy")
+    print(f"{torch.cuda.get_device_name()}, {target.model.embed_tokens.weight.dtype}, {args.drafter}, batch 1, greedy")
     print(f"{'k':>2} {'eager ms':>9} {'graphs ms':>9} {'speedup':>8} {'capture s':>9} {'capture MiB':>11}")
     for k in steps:
         times = {}
         for graphs in (False, True):
-            engine = Engine(target, DraftModelDrafter(draft, 1, MAX_SEQ_LEN), 1, MAX_SEQ_LEN, [k], graphs=graphs)
+            engine = Engine(target, make(), 1, MAX_SEQ_LEN, [k], graphs=graphs)
             times[graphs] = round_seconds(engine, requests)
             state = engine.states[k]
         print(

@@ -25,8 +25,10 @@ from torch import Tensor
 from engine.backend import Backend, backend_for
 from engine.checkpoint import Checkpoint
 from engine.detokenize import OutputText
+from engine.dflash import DFlashDrafter
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
-from engine.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
+from engine.eagle3 import Eagle3Drafter
+from engine.graphs import CallGraphs, ForwardMode, GraphRunner, GraphSet, default_batch_sizes
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
 from engine.verify import CHAIN_RULES, verify
@@ -53,7 +55,7 @@ class RuntimeState:
 
     On CPU that is the warmed-up shapes of its verify forward and what its rounds have shown;
     on backends with graphs it also owns its verify graphs (`memory_bytes` is what capturing them
-    added). What all states share (the caches, the draft model's decode-step graphs) does not
+    added). What all states share (the caches, the drafter's step graphs) does not
     depend on k, so no state can outgrow it (SGLang crashed on a shared buffer sized for one tier).
     """
 
@@ -172,12 +174,18 @@ class Engine:
             if drafter.graphs is None:
                 drafter.graphs = self.draft_graph_runner.capture(ForwardMode.DRAFT, [1, 2])
                 memory += drafter.graphs.memory_bytes
+        if k > 0 and isinstance(drafter, (Eagle3Drafter, DFlashDrafter)) and drafter.graphs is None:
+            drafter.graphs = drafter.capture_graphs(self.backend, self.graph_runner.batch_sizes)
+            memory += drafter.graphs.memory_bytes
         return graphs, memory
 
     @property
     def graph_captures(self) -> int:
         """Graphs captured so far: only building a state adds to it, never selecting one."""
-        return sum(r.captures for r in (self.graph_runner, self.draft_graph_runner) if r is not None)
+        runners: list[GraphRunner | CallGraphs | None] = [self.graph_runner, self.draft_graph_runner]
+        if isinstance(self.drafter, (Eagle3Drafter, DFlashDrafter)):
+            runners.append(self.drafter.graphs)
+        return sum(r.captures for r in runners if r is not None)
 
     @torch.inference_mode()
     def _warm_up_verify(self, k: int) -> None:

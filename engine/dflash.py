@@ -27,8 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from engine import native
+from engine.backend import Backend
 from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflash
 from engine.drafters import LookupFirst, NgramDrafter, Proposal
+from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
 from engine.native import NativeDFlash
@@ -203,6 +205,8 @@ class DFlashDrafter:
             transposed_keys=self.native is not None,
         )
         self.max_k = self.config.block_size - 1
+        # Block graphs, shared by every runtime state; set by the engine where the backend has graphs.
+        self.graphs: CallGraphs | None = None
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
@@ -275,6 +279,11 @@ class DFlashDrafter:
         if self.native is not None:
             return self.native.block(self.cache, slots, block, drafts)
         size, device = self.config.block_size, block.device
+        if self.graphs is not None:
+            where = torch.tensor([[self.cache.lengths[s] for s in slots], slots], dtype=torch.long, device=device).T
+            out = self.graphs.run(torch.cat((block, where), dim=1))
+            if out is not None:
+                return out[0][:, :drafts]
         lengths = torch.tensor([self.cache.lengths[s] for s in slots], device=device)
         width = int(lengths.max())
         positions = lengths[:, None] + torch.arange(size, device=device)[None, :]
@@ -282,6 +291,31 @@ class DFlashDrafter:
         context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
         context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
         return self.model(block, positions, context_k, context_v, block_mask(lengths, width, size), self.target, drafts)
+
+    def capture_graphs(self, backend: Backend, batch_sizes: Seq[int]) -> CallGraphs:
+        """The block forward (`static_block`) captured for each batch size. A padding row is a
+        block of mask tokens after slot 0's empty context: the block writes nothing."""
+        device, size = self.model.fc.weight.device, self.config.block_size
+
+        def padding(batch_size: int) -> tuple[Tensor]:
+            inputs = torch.full((batch_size, size + 2), self.config.mask_token_id, dtype=torch.long, device=device)
+            inputs[:, size:] = 0
+            return (inputs,)
+
+        return CallGraphs(backend, batch_sizes, padding, self.static_block)
+
+    def static_block(self, inputs: Tensor) -> tuple[Tensor]:
+        """`block_logits` of every draft with device ops only, at fixed shapes (what a graph
+        captures): rows `inputs` [rows, B + 2] = (the block, its context length, its slot), each
+        block attending over its slot's whole cache row, masked past the context."""
+        size, cache = self.config.block_size, self.cache
+        block, lengths, slots = inputs[:, :size], inputs[:, size], inputs[:, size + 1]
+        positions = lengths[:, None] + torch.arange(size, device=inputs.device)[None, :]
+        width = cache.max_seq_len + 1
+        context_k = [cache.k[layer, slots] for layer in range(self.config.num_layers)]
+        context_v = [cache.v[layer, slots] for layer in range(self.config.num_layers)]
+        mask = block_mask(lengths, width, size)
+        return (self.model(block, positions, context_k, context_v, mask, self.target, size - 1),)
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:

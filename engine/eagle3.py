@@ -31,8 +31,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from engine import native
+from engine.backend import Backend
 from engine.config import CheckpointError, Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
 from engine.drafters import Proposal
+from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
 from engine.native import NativeEagle3
@@ -199,6 +201,8 @@ class Eagle3Drafter:
         self.next_logits = torch.zeros(max_batch_size, config.vocab_size, dtype=param.dtype, device=param.device)
         self.next_feature = torch.zeros(max_batch_size, config.hidden_size, dtype=param.dtype, device=param.device)
         self.waiting: dict[int, list[Tensor]] = {}  # per slot: tapped hidden states not yet entries
+        # Chain-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
+        self.graphs: CallGraphs | None = None
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
@@ -242,7 +246,43 @@ class Eagle3Drafter:
         """One draft step: each slot's chain entry `step` past its verified ones, reading the token
         just drafted and the feature its last step output. The logits of the next draft [rows, V]."""
         positions = [self.cache.lengths[s] + step for s in slots]
+        if self.graphs is not None:
+            inputs = torch.tensor([tokens, positions, slots], dtype=torch.long).T
+            out = self.graphs.run(inputs, self.next_feature[slots])
+            if out is not None:
+                self.next_feature[slots], self.next_logits[slots] = out
+                return self.next_logits[slots]
         return self.step(tokens, self.next_feature[slots], slots, positions, list(range(len(slots))))
+
+    def capture_graphs(self, backend: Backend, batch_sizes: Seq[int]) -> CallGraphs:
+        """The chain step (`static_draft`) captured for each batch size. A padding row drafts
+        token 0 at slot 0's scratch position, which no real row ever reads."""
+        device, hidden = self.next_feature.device, self.model.config.hidden_size
+
+        def padding(batch_size: int) -> tuple[Tensor, Tensor]:
+            inputs = torch.zeros(batch_size, 3, dtype=torch.long, device=device)
+            inputs[:, 1] = self.cache.scratch_pos
+            return inputs, torch.zeros(batch_size, hidden, dtype=self.next_feature.dtype, device=device)
+
+        return CallGraphs(backend, batch_sizes, padding, self.static_draft)
+
+    def static_draft(self, inputs: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        """The chain step with device ops only, at fixed shapes (what a graph captures): rows
+        `inputs` [rows, 3] = (token, position, slot) beside `features` [rows, H]. Each query
+        attends over its slot's whole cache row, masked past its position, so the key length never
+        changes. Returns the output features and the logits [rows, V]."""
+        model, cache = self.model, self.cache
+        tokens, positions, slots = inputs.unbind(-1)
+        embeds = self.target.embed_tokens(tokens).to(features.dtype)
+        q, k, v = model.qkv(embeds, features, positions)
+        cache.k[0, slots, positions] = k
+        cache.v[0, slots, positions] = v
+        keys, values = cache.k[0, slots].transpose(1, 2), cache.v[0, slots].transpose(1, 2)
+        key_positions = torch.arange(cache.max_seq_len + 1, device=inputs.device)
+        mask = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
+        attended = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
+        out = model.finish(attended[:, :, 0], features)
+        return out, model.logits(out)
 
     def step(
         self,

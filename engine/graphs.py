@@ -20,6 +20,10 @@ What is captured, and who owns it:
   only. It does not depend on k, so one set is shared by every state: it is captured with the first
   state that drafts (which pays its time and memory) and lives on the drafter.
 - PREFILL runs eagerly: prompts vary too much in length for a bucketed graph to pay off.
+- A feature drafter's own forward (an EAGLE-3 chain step, a DFlash block) is not a Transformer
+  forward: `CallGraphs` captures any such function of static inputs, one graph per bucket, shared
+  by every state like the draft model's steps. The drafter's extend (a varying number of kept
+  positions per sequence) runs eagerly, as prefill does.
 
 Guards: a graph is only replayed for a batch of the same mode and the same hidden-capture layers,
 whose widest row and batch size fit (padded) the graph's; anything else runs eagerly. A verify of
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -231,3 +235,64 @@ class GraphRunner:
         self.replays += 1
         rows = len(slots)
         return ForwardOutput(logits=captured.logits[:rows], hidden={i: h[:rows] for i, h in captured.hidden.items()})
+
+
+@dataclass
+class CapturedCall:
+    graph: Graph
+    padding: tuple[Tensor, ...]  # what rows past the real batch hold: they may only write scratch
+    inputs: tuple[Tensor, ...]  # the static inputs, [batch_size, ...] each
+    outputs: tuple[Tensor, ...]
+
+
+class CallGraphs:
+    """`body(*inputs)` captured once per batch-size bucket, where `padding(batch_size)` makes the
+    inputs a graph is captured with and the rows a replay pads the batch with.
+
+    A replay copies the batch's rows into the static inputs and resets every row past them to
+    padding, so that a row left by a larger earlier batch never writes into a live sequence.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        batch_sizes: Iterable[int],
+        padding: Callable[[int], tuple[Tensor, ...]],
+        body: Callable[..., tuple[Tensor, ...]],
+    ) -> None:
+        self.backend = backend
+        self.calls: dict[int, CapturedCall] = {}
+        self.captures = 0
+        self.replays = 0
+        self.eager_runs = 0  # run() calls no graph fitted
+        backend.empty_cache()
+        before = backend.memory_reserved()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for batch_size in sorted(set(batch_sizes), reverse=True):  # largest first, as GraphRunner
+                pad = padding(batch_size)
+                inputs = tuple(t.clone() for t in pad)
+                graph, outputs = backend.capture(lambda inputs=inputs: body(*inputs))
+                self.calls[batch_size] = CapturedCall(graph, pad, inputs, tuple(outputs))
+                self.captures += 1
+        backend.synchronize()
+        self.seconds = time.perf_counter() - started
+        self.memory_bytes = max(0, backend.memory_reserved() - before)
+
+    def run(self, *values: Tensor) -> tuple[Tensor, ...] | None:
+        """The outputs' first rows for a batch of `values` (one per input, rows first), or None
+        when the batch is larger than every bucket (the caller runs eagerly). The outputs are
+        views of the graph's buffers: read them before the next replay."""
+        rows = values[0].shape[0]
+        size = min((b for b in self.calls if b >= rows), default=None)
+        if size is None:
+            self.eager_runs += 1
+            return None
+        call = self.calls[size]
+        with torch.inference_mode():
+            for buffer, value, pad in zip(call.inputs, values, call.padding):
+                buffer[:rows].copy_(value, non_blocking=True)
+                buffer[rows:].copy_(pad[rows:])
+            call.graph.replay()
+        self.replays += 1
+        return tuple(out[:rows] for out in call.outputs)

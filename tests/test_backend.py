@@ -337,6 +337,84 @@ def test_sampled_requests_run_through_graphs_with_either_drafter(pair, kind):
     assert len(outputs[sampled.id]) == 30 and engine.graph_runner.replays > 0
 
 
+# ---- the feature drafters' own forwards through graphs (CPU stand-in) -------------------------
+
+
+def feature_drafter(kind: str, model, batch_size: int):
+    """An untrained EAGLE-3 head or DFlash drafter (`kind`) beside the target `model`."""
+    from engine.dflash import DFlashDrafter, HybridDFlashDrafter
+    from engine.eagle3 import Eagle3Drafter
+    from tests.test_dflash import dflash_for
+    from tests.test_eagle3 import head_for
+
+    if kind == "eagle3":
+        return Eagle3Drafter(head_for(model), model, batch_size, MAX_SEQ_LEN)
+    cls = HybridDFlashDrafter if kind == "hybrid_dflash" else DFlashDrafter
+    return cls(dflash_for(model), model, batch_size, MAX_SEQ_LEN)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "hybrid_dflash"])
+def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures_nothing(pair, kind):
+    """Their chain step or block forward is captured once per bucket with the first state that
+    drafts, shared by every state, and replayed under k changed at random every round."""
+    from tests.test_dflash import serve_switching
+
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = reference(target, PROMPTS, params)
+    drafter = feature_drafter(kind, target.model, 4)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5), backend=FakeGraphBackend())
+    buckets = default_batch_sizes(4)
+    assert sorted(drafter.graphs.calls) == buckets
+    captured = engine.graph_captures
+    assert captured == 5 * len(buckets) + len(buckets)  # every state's verify, one shared drafter set
+    assert serve_switching(engine, params, seed=3) == expected
+    assert engine.graph_captures == captured
+    assert drafter.graphs.replays > 0 and drafter.graphs.eager_runs == 0 and engine.graph_runner.replays > 0
+
+
+def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_live_entry(pair):
+    """A batch of 3 then one of 1 through the bucket of 4: the rows the first left behind are
+    reset to padding, so the second replay writes only its own entry and slot 0's scratch."""
+    target, _ = pair
+    graphed, eager = (feature_drafter("eagle3", target.model, 4) for _ in range(2))
+    graphed.graphs = graphed.capture_graphs(FakeGraphBackend(), [4])
+    for drafter in (graphed, eager):
+        for slot, length in enumerate((5, 9, 2, 7)):
+            drafter.cache.allocate()
+            drafter.cache.lengths[slot] = length
+    for seed, (slots, tokens, step) in enumerate((([1, 2, 3], [4, 5, 6], 0), ([2], [7], 1))):
+        # New entries everywhere before each replay, as verified positions overwrite chain entries.
+        for drafter in (graphed, eager):
+            for i, buffer in enumerate((drafter.cache.k, drafter.cache.v, drafter.next_feature)):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(3 * seed + i)))
+        before = graphed.cache.k.clone()
+        logits = graphed.draft(slots, tokens, step)
+        torch.testing.assert_close(logits, eager.draft(slots, tokens, step), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graphed.next_feature, eager.next_feature, atol=1e-5, rtol=1e-5)
+        written = {tuple(w) for w in graphed.cache.k[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
+        entries = {(s, graphed.cache.lengths[s] + step) for s in slots}
+        assert entries <= written <= entries | {(0, graphed.cache.scratch_pos)}
+    assert graphed.graphs.replays == 2
+
+
+def test_the_feature_drafters_captured_bodies_read_nothing_back_to_the_host():
+    """As for the target's static forward: on the meta device any host read fails."""
+    model = load_tiny("llama")
+    eagle3, dflash = feature_drafter("eagle3", model, 2), feature_drafter("dflash", model, 2)
+    for module in (model, eagle3.model, dflash.model):
+        module.to("meta")
+    for cache in (eagle3.cache, dflash.cache):
+        cache.k, cache.v = cache.k.to("meta"), cache.v.to("meta")
+    block = dflash.config.block_size
+    with torch.inference_mode():
+        inputs = torch.zeros(2, 3, dtype=torch.long, device="meta")
+        features, logits = eagle3.static_draft(inputs, torch.zeros(2, model.config.hidden_size, device="meta"))
+        (block_logits,) = dflash.static_block(torch.zeros(2, block + 2, dtype=torch.long, device="meta"))
+    assert features.shape == (2, model.config.hidden_size) and logits.shape == (2, 64)
+    assert block_logits.shape == (2, block - 1, 64)
+
+
 # ---- CUDA ----------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -389,6 +467,38 @@ def test_cuda_graphs_greedy_equals_eager_for_every_k(default_pair_cuda, batch_si
             if graphs:
                 assert engine.graph_runner.replays > 0 and engine.states[k].memory_bytes >= 0
         assert results[1] == results[0], f"k={k} batch={batch_size}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_cuda_feature_drafters_through_graphs_equal_eager(default_pair_cuda, kind):
+    """The shipped EAGLE-3 head and DFlash drafter: chain steps or blocks replayed from graphs
+    (k switched every round) give the eager engine's output."""
+    from engine.dflash import DFlashDrafter, load_dflash
+    from engine.eagle3 import Eagle3Drafter, load_eagle3
+
+    target, _ = default_pair_cuda
+    models = DEFAULT_TARGET.parent
+    results = []
+    for graphs in (False, True):
+        if kind == "eagle3":
+            drafter = Eagle3Drafter(load_eagle3(models / "eagle3", target.model), target.model, 4, 512)
+        else:
+            drafter = DFlashDrafter(load_dflash(models / "dflash", target.model), target.model, 4, 512)
+        engine = Engine(target, drafter, 4, 512, CUDA_STEPS, graphs=graphs)
+        requests = code_requests(target, 4, 48)
+        outputs = {r.id: [] for r in requests}
+        for request in requests:
+            engine.add_request(request)
+        ks = iter(CUDA_STEPS * 100)
+        while engine.has_work:
+            engine.select(next(ks))
+            for out in engine.step().outputs:
+                outputs[out.request_id].extend(out.new_tokens)
+        results.append([outputs[r.id] for r in requests])
+        if graphs:
+            assert drafter.graphs is not None and drafter.graphs.replays > 0
+    assert results[1] == results[0]
 
 
 @needs_cuda
