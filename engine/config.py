@@ -299,7 +299,9 @@ class Eagle3Config:
     """An EAGLE-3 head, in the layout SpecForge and the EAGLE-3 reference write: `config.json` as
     a one-layer Llama (architectures LlamaForCausalLMEagle3) with `draft_vocab_size`, the tapped
     layers under `eagle_config.eagle_aux_hidden_state_layer_ids` (the output of each layer, as
-    SGLang reads them) and, where it differs from hidden_size, `target_hidden_size`."""
+    SGLang reads them) and, where it differs from hidden_size, `target_hidden_size`.
+
+    Heads in vLLM's speculators layout (`Eagle3Speculator`, see `from_speculators`) load too."""
 
     hidden_size: int
     num_heads: int
@@ -313,6 +315,8 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
     target: str = ""  # the name of the target it was trained for
+    # The layer's residual stream starts from the normed feature rather than the feature itself.
+    norm_before_residual: bool = False
 
     def to_json(self) -> dict:
         raw: dict[str, Any] = {
@@ -342,10 +346,14 @@ class Eagle3Config:
                 "eagle_aux_hidden_state_layer_ids": list(self.target_layer_ids),
                 "use_aux_hidden_state": True,
             }
+        if self.norm_before_residual:
+            raw["norm_before_residual"] = True
         return raw
 
     @classmethod
     def from_json(cls, raw: dict, source: str = "config.json") -> Eagle3Config:
+        if "speculators_model_type" in raw:
+            return cls.from_speculators(raw, source)
         architectures = raw.get("architectures") or []
         if architectures and not set(architectures) & {"LlamaForCausalLMEagle3", "LlamaForCausalLM"}:
             # The EAGLE-3 reference writes LlamaForCausalLM, SpecForge LlamaForCausalLMEagle3.
@@ -371,9 +379,42 @@ class Eagle3Config:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=_rope_from_hf(raw, source),
                 target=str(raw.get("target", "")),
+                norm_before_residual=bool(raw.get("norm_before_residual", False)),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{source}: not an EAGLE-3 config ({type(err).__name__}: {err})") from None
+
+    @classmethod
+    def from_speculators(cls, raw: dict, source: str = "config.json") -> Eagle3Config:
+        """A head in vLLM's speculators layout: the decoder layer's Llama config under
+        `transformer_layer_config`, the EAGLE-3 fields at the top. Its tap ids count as vLLM
+        counts them (id j is the input of layer j, the output of layer j - 1), and its residual
+        starts from the normed feature unless `norm_before_residual` is false."""
+        kind = raw.get("speculators_model_type")
+        if kind != "eagle3":
+            raise CheckpointError(f"{source}: a speculators head of type {kind!r}; only eagle3 heads load")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise CheckpointError(f"{source}: a speculators head needs a transformer_layer_config object")
+        for unsupported in ("norm_before_fc", "fc_norm"):
+            if raw.get(unsupported):
+                raise CheckpointError(f"{source}: {unsupported} (a norm of the taps before fc) is not supported")
+        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and not all(isinstance(i, int) and i >= 1 for i in ids):
+            raise CheckpointError(
+                f"{source}: eagle_aux_hidden_state_layer_ids {ids}: ids count layer inputs from 1 "
+                "(0 is the embedding, which EAGLE-3 does not read)"
+            )
+        verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
+        merged = {
+            **{k: v for k, v in layer.items() if k != "architectures"},
+            "draft_vocab_size": raw.get("draft_vocab_size"),
+            "target_hidden_size": raw.get("target_hidden_size"),
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids] if ids else None,
+            "norm_before_residual": raw.get("norm_before_residual", True),
+            "target": verifier.get("name_or_path", "") if isinstance(verifier, dict) else "",
+        }
+        return cls.from_json(merged, source)
 
 
 def eagle3_taps(config: Eagle3Config, target: ModelConfig) -> tuple[int, ...]:

@@ -16,7 +16,8 @@ one's output is already the chain's first draft.
 
 The checkpoint is a directory in the layout SpecForge and the EAGLE-3 reference write (see
 `Eagle3Config`): config.json and model.safetensors with fc, midlayer.*, norm, lm_head, and d2t
-and t2d when the draft vocabulary is reduced. The embedding is the target's.
+and t2d when the draft vocabulary is reduced; or in vLLM's speculators layout, whose layer is
+layers.0.*. The embedding is the target's.
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ class Eagle3Model(nn.Module):
 
     def finish(self, attended: Tensor, features: Tensor) -> Tensor:
         """The layer's output feature from the attention's output ([..., heads, D]); the residual
-        stream is the input feature."""
+        stream is the input feature, or its norm where the head was trained so (speculators')."""
         layer = self.midlayer
-        x = features + layer.self_attn.o_proj(attended.flatten(-2))
+        residual = layer.hidden_norm(features) if self.config.norm_before_residual else features
+        x = residual + layer.self_attn.o_proj(attended.flatten(-2))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, out: Tensor) -> Tensor:
@@ -161,6 +163,8 @@ def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
     weights = path / "model.safetensors"
     state = load_file(str(weights))
     state.pop("embed_tokens.weight", None)  # some heads carry the target's embedding: the target's is used
+    # The speculators layout names the one decoder layer layers.0, SpecForge midlayer.
+    state = {(f"midlayer.{k[len('layers.0.') :]}" if k.startswith("layers.0.") else k): v for k, v in state.items()}
     check_weights(weights, state, model.state_dict())
     if "d2t" in state:
         ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()

@@ -541,7 +541,8 @@ int adaspec_dflash_context(const Model *m, const Context *c, const Cache *cache,
  * output features ([outputs, hidden]) and their logits ([outputs, vocab]). The draft-extend
  * passes a round's kept tokens and selects each sequence's last; a chain step passes one token a
  * sequence and selects them all. */
-int adaspec_eagle3_step(const Model *m, const float *hidden_norm, const Linear *fc, const Cache *cache, int tokens,
+int adaspec_eagle3_step(const Model *m, const float *hidden_norm, int norm_before_residual, const Linear *fc,
+                        const Cache *cache, int tokens,
                         const int64_t *token_ids, const float *inputs, const int32_t *slot,
                         const int32_t *position, int outputs, const int32_t *selected, float *out_features,
                         float *logits, int threads) {
@@ -617,8 +618,12 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, const Linear *
             }
         }
 #pragma omp for schedule(static)
-        for (int s = 0; s < outputs; s++)
-            memcpy(x + (int64_t)s * hidden, features + (int64_t)selected[s] * hidden, sizeof(float) * (size_t)hidden);
+        for (int s = 0; s < outputs; s++) {
+            /* The residual stream starts from the feature, or from its norm (speculators' heads). */
+            const float *residual = norm_before_residual ? joined + (int64_t)selected[s] * 2 * hidden + hidden
+                                                         : features + (int64_t)selected[s] * hidden;
+            memcpy(x + (int64_t)s * hidden, residual, sizeof(float) * (size_t)hidden);
+        }
         linear(attn, outputs, &layer->o_proj, x, hidden, NULL, 1, widened);
         rms_norm_rows(x, outputs, layer->post_norm, hidden, m->eps, h);
         linear_glu(h, outputs, &layer->gate_up, act, inter, widened);

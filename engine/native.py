@@ -208,6 +208,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.adaspec_eagle3_step.argtypes = [
         ctypes.POINTER(_Model),
         _ptr,
+        ctypes.c_int,
         ctypes.POINTER(_Linear),
         ctypes.POINTER(_Cache),
         ctypes.c_int,
@@ -536,6 +537,7 @@ class NativeEagle3:
             )
         )
         self.hidden_norm = weights.keep(layer.hidden_norm.weight)
+        self.norm_before_residual = config.norm_before_residual
         self.fc = weights.linear(model.fc.weight)
         cos, sin = model.rope(torch.arange(positions, device=model.fc.weight.device))
         self.model = _Model(
@@ -583,6 +585,7 @@ class NativeEagle3:
         failed = self.lib.adaspec_eagle3_step(
             ctypes.byref(self.model),
             self.hidden_norm,
+            int(self.norm_before_residual),
             ctypes.byref(self.fc) if taps else None,
             ctypes.byref(self._cache(cache)),
             count,

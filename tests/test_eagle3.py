@@ -4,6 +4,7 @@ draft, its cache in step with the target, and the published checkpoint layout lo
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -23,7 +24,13 @@ from tests.test_dflash import assert_serves_losslessly, serve_switching
 from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginals, exact_marginals
 
 
-def head_for(target, draft_vocab: int | None = None, seed: int = 0, taps: tuple[int, ...] | None = None) -> Eagle3Model:
+def head_for(
+    target,
+    draft_vocab: int | None = None,
+    seed: int = 0,
+    taps: tuple[int, ...] | None = None,
+    norm_before_residual: bool = False,
+) -> Eagle3Model:
     """An untrained head shaped for `target` (its drafts mostly wrong: every kind of rejection
     happens), with a reduced draft vocabulary of `draft_vocab` ids if given."""
     tc = target.config
@@ -38,6 +45,7 @@ def head_for(target, draft_vocab: int | None = None, seed: int = 0, taps: tuple[
         target_hidden_size=tc.hidden_size,
         target_layer_ids=taps,
         rms_norm_eps=tc.rms_norm_eps,
+        norm_before_residual=norm_before_residual,
     )
     torch.manual_seed(seed)
     model = Eagle3Model(config, eagle3_taps(config, tc))
@@ -230,17 +238,22 @@ def test_the_cache_follows_the_target_and_rolls_back_exactly(pair, trained_head)
     assert torch.allclose(drafter.next_logits[seq.draft_slot], fresh.next_logits[twin.draft_slot], atol=1e-4)
 
 
-def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path):
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path, norm_before_residual):
     """On a CPU the head runs on the compiled kernels beside a compiled target: the draft-extend
     of rows of different lengths in one call, then chain steps, give the logits and entries of
-    the PyTorch operators (a reduced draft vocabulary included)."""
+    the PyTorch operators (a reduced draft vocabulary included; the residual from the feature or
+    from its norm)."""
     from tests.conftest import tiny_pair
 
     target, _ = pair
     if target.model.native is None:
         pytest.skip("no compiled kernels here")
     plain, _ = tiny_pair(tmp_path, native_forward=False)  # the same weights (seeded), on PyTorch operators
-    head = head_for(target.model, draft_vocab=24, taps=(0, 1, 1))
+    head = head_for(target.model, draft_vocab=24, taps=(0, 1, 1), norm_before_residual=norm_before_residual)
+    with torch.no_grad():  # weights bfloat16 can hold, as the compiled head streams them
+        for param in head.parameters():
+            param.copy_(param.to(torch.bfloat16))
     prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1]]
     results = []
     for served in (target, plain):
@@ -259,13 +272,14 @@ def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path):
         results.append((drafter, chain, values))
     (compiled, chain, values), (reference, expected, expected_values) = results
     assert compiled.native is not None and reference.native is None
-    # The compiled head streams its weights in bfloat16: equal up to their rounding.
+    # The weights are bfloat16 values, so streaming them in bfloat16 loses nothing: equal up to
+    # the order of float32 sums.
     for got, want in zip(chain, expected):
         finite = want.isfinite()
         assert torch.equal(finite, got.isfinite()) and int(finite.sum()) == 2 * 24
-        assert torch.allclose(got[finite], want[finite], atol=0.05, rtol=0.02)
+        assert torch.allclose(got[finite], want[finite], atol=1e-4, rtol=1e-4)
     for got, want in zip(values, expected_values):
-        assert torch.allclose(got, want, atol=0.02, rtol=0.02)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("verification", ["block", "token"])
@@ -323,6 +337,93 @@ def test_a_head_in_the_published_layout_loads_and_drafts_what_it_did(pair, tmp_p
     requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
     outputs = engine.run_until_done(requests)
     assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+
+
+def speculators_head(model: Eagle3Model, path, **config) -> None:
+    """`model` written in vLLM's speculators layout: the layer's Llama config nested, tap ids
+    counted as layer inputs, the decoder layer's weights under layers.0, the embedding carried."""
+    c = model.config
+    save_eagle3(model, path, torch.bfloat16)
+    raw = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.2.0",
+        "transformer_layer_config": {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size,
+            "vocab_size": c.vocab_size,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope.theta,
+            "max_position_embeddings": 4096,
+        },
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": c.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": [t + 1 for t in model.taps],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": "tiny-target", "architectures": ["LlamaForCausalLM"]},
+        },
+        **config,
+    }
+    (path / "config.json").write_text(json.dumps(raw))
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(str(path / "model.safetensors")).items()}
+    state["embed_tokens.weight"] = torch.zeros(c.vocab_size, c.hidden_size, dtype=torch.bfloat16)
+    save_file(state, str(path / "model.safetensors"))
+
+
+def test_a_head_in_the_speculators_layout_loads_drafts_what_it_did_and_serves_losslessly(pair, tmp_path):
+    """vLLM's layout: the residual from the normed feature, tap ids one past the layers read."""
+    target, _ = pair
+    model = head_for(target.model, draft_vocab=24, taps=(0, 1, 1), norm_before_residual=True)
+    speculators_head(model, tmp_path / "head")
+    assert "layers.0.self_attn.q_proj.weight" in load_file(str(tmp_path / "head" / "model.safetensors"))
+    loaded = load_eagle3(tmp_path / "head", target.model)
+    assert loaded.taps == (0, 1, 1) and loaded.config.norm_before_residual and loaded.config.target == "tiny-target"
+    assert torch.equal(loaded.d2t, model.d2t)
+    feature, attended = torch.randn(3, target.model.config.hidden_size), torch.randn(3, 4, 16)
+    with torch.no_grad():
+        expected = model.logits(model.finish(attended, feature))
+        assert torch.equal(loaded.logits(loaded.finish(attended, feature)).argmax(-1), expected.argmax(-1))
+        # The flag is honoured: the same weights with the residual from the raw feature differ.
+        model.config = replace(model.config, norm_before_residual=False)
+        assert not torch.allclose(model.logits(model.finish(attended, feature)), expected)
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = Engine(target, Eagle3Drafter(loaded, target.model, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [3], initial_k=3)
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+
+    # Saved again, it keeps its residual convention in the SpecForge layout.
+    save_eagle3(loaded, tmp_path / "again")
+    assert load_eagle3(tmp_path / "again", target.model).config.norm_before_residual
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"speculators_model_type": "medusa"}, "type 'medusa'; only eagle3 heads load"),
+        ({"transformer_layer_config": None}, "needs a transformer_layer_config"),
+        ({"norm_before_fc": True}, "norm_before_fc"),
+        ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, "0 is the embedding"),
+        ({"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, "taps [8] outside the target's layers"),
+        ({"draft_vocab_size": 500}, "draft vocabulary of 500"),
+    ],
+)
+def test_a_speculators_head_that_does_not_fit_is_refused_by_name(pair, tmp_path, edit, named):
+    target, _ = pair
+    speculators_head(head_for(target.model, draft_vocab=24, taps=(0, 1, 1)), tmp_path / "head", **edit)
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        load_eagle3(tmp_path / "head", target.model)
 
 
 def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
