@@ -200,9 +200,11 @@ class Eagle3Drafter:
             device=param.device,
             transposed_keys=self.native is not None,
         )
-        # Per slot: the logits and output feature of its last verified position, whose argmax
-        # is the next chain's first draft.
-        self.next_logits = torch.zeros(max_batch_size, config.vocab_size, dtype=param.dtype, device=param.device)
+        # Per slot: the draft-vocabulary logits and output feature of its last verified position,
+        # whose argmax is the next chain's first draft. Logits stay in the draft vocabulary: a
+        # greedy chain maps only its argmax to a target id (`draft_ids`), never a whole row.
+        self.next_logits = torch.zeros(max_batch_size, config.draft_vocab_size, dtype=param.dtype, device=param.device)
+        self.draft_ids = model.draft_to_target()
         self.next_feature = torch.zeros(max_batch_size, config.hidden_size, dtype=param.dtype, device=param.device)
         self.waiting: dict[int, list[Tensor]] = {}  # per slot: tapped hidden states not yet entries
         # Chain-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
@@ -248,7 +250,8 @@ class Eagle3Drafter:
 
     def draft(self, slots: list[int], tokens: list[int], step: int) -> Tensor:
         """One draft step: each slot's chain entry `step` past its verified ones, reading the token
-        just drafted and the feature its last step output. The logits of the next draft [rows, V]."""
+        just drafted and the feature its last step output. The draft-vocabulary logits of the next
+        draft [rows, draft vocab]."""
         positions = [self.cache.lengths[s] + step for s in slots]
         if self.graphs is not None:
             inputs = torch.tensor([tokens, positions, slots], dtype=torch.long).T
@@ -274,7 +277,7 @@ class Eagle3Drafter:
         """The chain step with device ops only, at fixed shapes (what a graph captures): rows
         `inputs` [rows, 3] = (token, position, slot) beside `features` [rows, H]. Each query
         attends over its slot's whole cache row, masked past its position, so the key length never
-        changes. Returns the output features and the logits [rows, V]."""
+        changes. Returns the output features and the draft-vocabulary logits."""
         model, cache = self.model, self.cache
         tokens, positions, slots = inputs.unbind(-1)
         embeds = self.target.embed_tokens(tokens).to(features.dtype)
@@ -286,7 +289,7 @@ class Eagle3Drafter:
         mask = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
         attended = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
         out = model.finish(attended[:, :, 0], features)
-        return out, model.logits(out)
+        return out, model.draft_logits(out)
 
     def step(
         self,
@@ -300,12 +303,11 @@ class Eagle3Drafter:
         """Entries for each token (reading tokens[t] beside features[t], or beside the feature fc
         makes of the tapped hidden states features[t] with `taps`) at slots[t], positions[t]; the
         `selected` ones attend to their slot up to there and finish the layer, their output
-        features and logits becoming their slots' next. Returns those logits [selected, V]."""
+        features and logits becoming their slots' next. Returns those logits [selected, draft vocab]."""
         model, device = self.model, self.model.fc.weight.device
         chosen = [slots[t] for t in selected]
         if self.native is not None:
             out, logits = self.native.step(self.cache, tokens, features, slots, positions, selected, taps)
-            logits = model.full_vocabulary(logits)
         else:
             if taps:
                 features = model.features(features.to(model.fc.weight.dtype))
@@ -324,7 +326,7 @@ class Eagle3Drafter:
                 q[selected][:, :, None], keys, values, attn_mask=mask, enable_gqa=True
             )
             out = model.finish(attended[:, :, 0], features[selected])
-            logits = model.logits(out)
+            logits = model.draft_logits(out)
         self.next_logits[chosen] = logits.to(self.next_logits.dtype)
         self.next_feature[chosen] = out.to(self.next_feature.dtype)
         return logits
@@ -340,11 +342,11 @@ class Eagle3Drafter:
         logits = self.next_logits[[seqs[i].draft_slot for i in active]]
         step = 0
         while True:
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = self.draft_ids[logits.argmax(dim=-1)].tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if not seq.params.greedy:
-                    q = target_probs(logits[row], seq.params)
+                    q = target_probs(self.model.full_vocabulary(logits[row]), seq.params)
                     tokens[row] = sample(q, seq.generator)
                     probs[i].append(q)
                 proposals[i].tokens.append(tokens[row])
