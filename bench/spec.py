@@ -44,6 +44,7 @@ from pathlib import Path
 from control.config import ConfigSnapshot, load_config
 from daemon import runtime
 from daemon.runtime import Models, load_models
+from engine.config import DRAFTERS
 from engine.controller import Controller
 from engine.policy import DEFAULT_CANDIDATES, PolicyParams
 from engine.request import Request
@@ -51,7 +52,6 @@ from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-DRAFTERS = ("draft_model", "hybrid", "ngram", "dflash", "hybrid_dflash", "eagle3", "none")
 
 
 @dataclass(frozen=True)

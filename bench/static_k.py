@@ -49,7 +49,7 @@ def main() -> None:
     snapshot = replace(config, engine=engine)
     has_dflash = (Path(args.dflash) / "config.json").exists()
     kinds = ["draft_model", "ngram", "hybrid"] + (["dflash", "hybrid_dflash"] if has_dflash else [])
-    kinds += ["eagle3"] if (Path(args.eagle3) / "config.json").exists() else []
+    kinds += ["eagle3", "hybrid_eagle3"] if (Path(args.eagle3) / "config.json").exists() else []
     models = load_models(snapshot, kinds=kinds)
     tokenizer = models.target.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens)

@@ -25,6 +25,7 @@ from control.bounded import clip
 from engine.config import (
     DFLASH_KINDS,
     DRAFT_MODEL_KINDS,
+    DRAFTERS,
     EAGLE3_KINDS,
     CheckpointError,
     inspect_checkpoint,
@@ -202,16 +203,15 @@ SLOT_KEYS: Mapping[str, Key] = {
 SCHEMA: Mapping[str, Section] = {
     "engine": Section(EngineSettings, live=False, doc="models, device and capacity", keys={
         "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
-        "drafter": Key("str", "hybrid", "how drafts are proposed",
-                       choices=("draft_model", "hybrid", "ngram", "dflash", "hybrid_dflash", "eagle3", "none")),
+        "drafter": Key("str", "hybrid", "how drafts are proposed", choices=DRAFTERS),
         "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model or hybrid"),
         "dflash": Key("path", "models/dflash", "DFlash drafter directory, used when drafter = dflash or hybrid_dflash"),
-        "eagle3": Key("path", "models/eagle3", "EAGLE-3 head directory, used when drafter = eagle3"),
+        "eagle3": Key("path", "models/eagle3", "EAGLE-3 head directory, used when drafter = eagle3 or hybrid_eagle3"),
         "draft_quantization": Key(
             "str", "int8", "draft model linear layers: int8 (dynamic, CPU only) or none", choices=("int8", "none")
         ),
-        "ngram_min": Key("int", 1, "shortest n-gram the lookup drafters (ngram, hybrid, hybrid_dflash) match", lo=1),
-        "ngram_max": Key("int", 4, "longest n-gram the lookup drafters (ngram, hybrid, hybrid_dflash) match", lo=1),
+        "ngram_min": Key("int", 1, "shortest n-gram the lookup drafters (ngram and the hybrids) match", lo=1),
+        "ngram_max": Key("int", 4, "longest n-gram the lookup drafters (ngram and the hybrids) match", lo=1),
         "lookup_history": Key("int", 16384, "tokens of finished requests that lookups search too (0: own context only)",
                               lo=0, hi=1 << 24),
         "verification": Key("str", "block", "how sampled drafts are judged: block (the chain as a whole) or token",

@@ -15,7 +15,7 @@ from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
 from engine.dflash import DFlashDrafter, DFlashModel, HybridDFlashDrafter, load_dflash
 from engine.drafters import Drafter, make_drafter
-from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3
+from engine.eagle3 import Eagle3Drafter, Eagle3Model, HybridEagle3Drafter, load_eagle3
 from engine.loop import EngineLoop, StepObserver
 
 # Wraps each slow phase of assembling an engine, named, so that start-up can report it.
@@ -88,7 +88,10 @@ def build_drafter(settings: EngineSettings, models: Models, batch: int, seq_len:
     if settings.drafter in EAGLE3_KINDS:
         if models.eagle3 is None:
             raise ValueError(f"drafter {settings.drafter} needs an EAGLE-3 head (engine.eagle3 = {settings.eagle3})")
-        return Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len)
+        if settings.drafter == "eagle3":
+            return Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len)
+        lookups = (settings.ngram_min, settings.ngram_max, settings.lookup_history)
+        return HybridEagle3Drafter(models.eagle3, models.target.model, batch, seq_len, *lookups)
     return make_drafter(
         settings.drafter,
         models.draft,

@@ -155,7 +155,9 @@ DRAFT_MODEL_KINDS = ("draft_model", "hybrid")
 # The drafters that run a DFlash block drafter, which [engine] dflash names.
 DFLASH_KINDS = ("dflash", "hybrid_dflash")
 # The drafters that run an EAGLE-3 head, which [engine] eagle3 names.
-EAGLE3_KINDS = ("eagle3",)
+EAGLE3_KINDS = ("eagle3", "hybrid_eagle3")
+# Every drafter [engine] drafter may name.
+DRAFTERS = (*DRAFT_MODEL_KINDS, "ngram", *DFLASH_KINDS, *EAGLE3_KINDS, "none")
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from engine import native
 from engine.backend import Backend
 from engine.config import CheckpointError, Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
-from engine.drafters import Proposal
+from engine.drafters import LookupFirst, NgramDrafter, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
@@ -373,3 +373,24 @@ class Eagle3Drafter:
             self.waiting.pop(seq.draft_slot, None)
             self.cache.release(seq.draft_slot)
             seq.draft_slot = None
+
+
+class HybridEagle3Drafter(LookupFirst, Eagle3Drafter):
+    """Prompt lookup in front of the EAGLE-3 head (`LookupFirst`): a round whose sequences all
+    found a continuation in their context runs no head step. The verified positions' features wait
+    for the head's next chain whichever proposed, as after rounds at k = 0."""
+
+    name = "hybrid_eagle3"
+
+    def __init__(
+        self,
+        model: Eagle3Model,
+        target: Transformer,
+        max_batch_size: int,
+        max_seq_len: int,
+        min_n: int = 1,
+        max_n: int = 4,
+        history: int = 0,
+    ) -> None:
+        super().__init__(model, target, max_batch_size, max_seq_len)
+        self.lookups = NgramDrafter(min_n, max_n, history)

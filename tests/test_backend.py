@@ -343,17 +343,18 @@ def test_sampled_requests_run_through_graphs_with_either_drafter(pair, kind):
 def feature_drafter(kind: str, model, batch_size: int):
     """An untrained EAGLE-3 head or DFlash drafter (`kind`) beside the target `model`."""
     from engine.dflash import DFlashDrafter, HybridDFlashDrafter
-    from engine.eagle3 import Eagle3Drafter
+    from engine.eagle3 import Eagle3Drafter, HybridEagle3Drafter
     from tests.test_dflash import dflash_for
     from tests.test_eagle3 import head_for
 
-    if kind == "eagle3":
-        return Eagle3Drafter(head_for(model), model, batch_size, MAX_SEQ_LEN)
+    if kind in ("eagle3", "hybrid_eagle3"):
+        head_class = HybridEagle3Drafter if kind == "hybrid_eagle3" else Eagle3Drafter
+        return head_class(head_for(model), model, batch_size, MAX_SEQ_LEN)
     cls = HybridDFlashDrafter if kind == "hybrid_dflash" else DFlashDrafter
     return cls(dflash_for(model), model, batch_size, MAX_SEQ_LEN)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "hybrid_dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid_eagle3", "dflash", "hybrid_dflash"])
 def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures_nothing(pair, kind):
     """Their chain step or block forward is captured once per bucket with the first state that
     drafts, shared by every state, and replayed under k changed at random every round."""

@@ -219,7 +219,8 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         (
             '[engine]\ndrafter = "eagle"\n',
             "engine.drafter",
-            "must be one of 'draft_model', 'hybrid', 'ngram', 'dflash', 'hybrid_dflash', 'eagle3', 'none'",
+            "must be one of 'draft_model', 'hybrid', 'ngram', 'dflash', 'hybrid_dflash', 'eagle3', 'hybrid_eagle3', "
+            "'none'",
         ),
         ('[adaptive]\nstrategy = "measure"\n', "adaptive.strategy", "did you mean 'measured'"),
         ('[adaptive]\nstrategy = "goodput"\n', "adaptive.strategy", "no longer offered: 'measured' replaced it"),

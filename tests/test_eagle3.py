@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import CheckpointError, Eagle3Config, ModelConfig, eagle3_taps
 from engine.core import Engine
-from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3
+from engine.eagle3 import Eagle3Drafter, Eagle3Model, HybridEagle3Drafter, load_eagle3, save_eagle3
 from engine.generate import generate
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
@@ -122,6 +122,25 @@ def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_he
     assert proposed > 0
     if trained:
         assert 0 < accepted < proposed  # kept some, rejected others
+
+
+def test_lookups_in_front_of_the_head_stay_lossless_and_spare_its_steps(pair, trained_head):
+    """hybrid_eagle3: lookups propose where the context has seen the last tokens, the head
+    elsewhere, catching up on the rounds the lookups proposed; k changed at random every round."""
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    drafter = HybridEagle3Drafter(trained_head, target.model, 4, MAX_SEQ_LEN)
+    chains, lookups = [], []
+    catch_up, lookup = drafter.catch_up, drafter.lookups.propose
+    drafter.catch_up = lambda seqs: chains.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
+    drafter.lookups.propose = lambda *args: lookups.append(lookup(*args)) or lookups[-1]  # type: ignore[method-assign]
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
+    assert serve_switching(engine, params, seed=4) == expected
+    # Both proposed: some rows' drafts were looked up, others drafted by the head.
+    assert any(p.tokens for found in lookups for p in found) and chains
+    drafted_rounds = sum(1 for found in lookups if any(p.tokens for p in found))
+    assert drafted_rounds > 0 and len(chains) < len(lookups)
 
 
 def test_rounds_at_k_0_cost_the_head_nothing_and_drafting_again_catches_up(pair):
@@ -474,7 +493,8 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
         load_eagle3(tmp_path / "nowhere", target.model)
 
 
-def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid_eagle3"])
+def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp_path, kind):
     from control.config import ConfigError, load_config
     from daemon.runtime import build_controller, load_models
 
@@ -482,12 +502,13 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
     save_eagle3(head_for(target.model), tmp_path / "head")
     config = tmp_path / "config.toml"
     config.write_text(
-        f'[engine]\ntarget = "{target.path}"\ndrafter = "eagle3"\neagle3 = "head"\nmax_seq_len = {MAX_SEQ_LEN}\n'
+        f'[engine]\ntarget = "{target.path}"\ndrafter = "{kind}"\neagle3 = "head"\nmax_seq_len = {MAX_SEQ_LEN}\n'
         "[adaptive]\ncandidate_k = [0, 2, 5]\n"
     )
     snapshot = load_config(config, check_models=True)
     controller = build_controller(snapshot, load_models(snapshot), max_batch_size=2)
-    assert isinstance(controller.engine.drafter, Eagle3Drafter)
+    drafter = controller.engine.drafter
+    assert isinstance(drafter, Eagle3Drafter) and isinstance(drafter, HybridEagle3Drafter) == (kind == "hybrid_eagle3")
     assert_serves_losslessly(controller, target)
     assert sum(state.stats.drafts_proposed for state in controller.engine.states.values()) > 0
 
