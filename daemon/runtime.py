@@ -74,6 +74,11 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
     return Models(target, draft, dflash, eagle3)
 
 
+def lookups(settings: EngineSettings) -> dict[str, int]:
+    """The prompt-lookup settings of a hybrid drafter (`LookupFirst`)."""
+    return {"min_n": settings.ngram_min, "max_n": settings.ngram_max, "history": settings.lookup_history}
+
+
 def build_drafter(settings: EngineSettings, models: Models, batch: int, seq_len: int) -> Drafter | None:
     """The drafter [engine] names, on the loaded models; None for drafter = "none"."""
     if settings.drafter in DFLASH_KINDS:
@@ -83,15 +88,13 @@ def build_drafter(settings: EngineSettings, models: Models, batch: int, seq_len:
             )
         if settings.drafter == "dflash":
             return DFlashDrafter(models.dflash, models.target.model, batch, seq_len)
-        lookups = (settings.ngram_min, settings.ngram_max, settings.lookup_history)
-        return HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, *lookups)
+        return HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, **lookups(settings))
     if settings.drafter in EAGLE3_KINDS:
         if models.eagle3 is None:
             raise ValueError(f"drafter {settings.drafter} needs an EAGLE-3 head (engine.eagle3 = {settings.eagle3})")
         if settings.drafter == "eagle3":
             return Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len)
-        lookups = (settings.ngram_min, settings.ngram_max, settings.lookup_history)
-        return HybridEagle3Drafter(models.eagle3, models.target.model, batch, seq_len, *lookups)
+        return HybridEagle3Drafter(models.eagle3, models.target.model, batch, seq_len, **lookups(settings))
     return make_drafter(
         settings.drafter,
         models.draft,

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from engine import native
 from engine.backend import Backend
 from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflash
-from engine.drafters import LookupFirst, NgramDrafter, Proposal
+from engine.drafters import LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
@@ -329,16 +329,3 @@ class HybridDFlashDrafter(LookupFirst, DFlashDrafter):
     target's hidden states whichever proposed, so nothing catches up."""
 
     name = "hybrid_dflash"
-
-    def __init__(
-        self,
-        model: DFlashModel,
-        target: Transformer,
-        max_batch_size: int,
-        max_seq_len: int,
-        min_n: int = 1,
-        max_n: int = 4,
-        history: int = 0,
-    ) -> None:
-        super().__init__(model, target, max_batch_size, max_seq_len)
-        self.lookups = NgramDrafter(min_n, max_n, history)

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -324,13 +324,16 @@ class NgramDrafter:
 
 
 class LookupFirst:
-    """Prompt lookup in front of a model drafter (a mixin listed before the drafter's class, which
-    sets `lookups`): a greedy sequence whose context has seen its last n-grams before proposes
-    what followed them, at no model cost; sequences without a match, and every sampled one, draft
-    with the model. A deterministic draft x of a sampled sequence is kept with probability p(x)
-    only, and at temperature 1 the lookups gained nothing."""
+    """Prompt lookup in front of a model drafter (a mixin listed before the drafter's class, whose
+    arguments it passes on; it takes the lookups' own as keywords): a greedy sequence whose context
+    has seen its last n-grams before proposes what followed them, at no model cost; sequences
+    without a match, and every sampled one, draft with the model. A deterministic draft x of a
+    sampled sequence is kept with probability p(x) only, and at temperature 1 the lookups gained
+    nothing."""
 
-    lookups: NgramDrafter
+    def __init__(self, *args: Any, min_n: int = 1, max_n: int = 4, history: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lookups = NgramDrafter(min_n, max_n, history)
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         super().admit(seqs, hidden)  # type: ignore[misc]
@@ -354,19 +357,6 @@ class HybridDrafter(LookupFirst, DraftModelDrafter):
 
     name = "hybrid"
 
-    def __init__(
-        self,
-        draft: Checkpoint,
-        max_batch_size: int,
-        max_seq_len: int,
-        quantize: bool = False,
-        min_n: int = 1,
-        max_n: int = 4,
-        history: int = 0,
-    ) -> None:
-        super().__init__(draft, max_batch_size, max_seq_len, quantize)
-        self.lookups = NgramDrafter(min_n, max_n, history)
-
 
 def make_drafter(
     kind: str,
@@ -388,5 +378,6 @@ def make_drafter(
     if kind == "draft_model":
         return DraftModelDrafter(draft, max_batch_size, max_seq_len, quantize)
     if kind == "hybrid":
-        return HybridDrafter(draft, max_batch_size, max_seq_len, quantize, ngram_min, ngram_max, lookup_history)
+        lookups = {"min_n": ngram_min, "max_n": ngram_max, "history": lookup_history}
+        return HybridDrafter(draft, max_batch_size, max_seq_len, quantize, **lookups)
     raise ValueError(f"unknown drafter {kind!r}: expected draft_model, hybrid, ngram or none")

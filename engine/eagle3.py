@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from engine import native
 from engine.backend import Backend
 from engine.config import CheckpointError, Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
-from engine.drafters import LookupFirst, NgramDrafter, Proposal
+from engine.drafters import LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
@@ -381,16 +381,3 @@ class HybridEagle3Drafter(LookupFirst, Eagle3Drafter):
     for the head's next chain whichever proposed, as after rounds at k = 0."""
 
     name = "hybrid_eagle3"
-
-    def __init__(
-        self,
-        model: Eagle3Model,
-        target: Transformer,
-        max_batch_size: int,
-        max_seq_len: int,
-        min_n: int = 1,
-        max_n: int = 4,
-        history: int = 0,
-    ) -> None:
-        super().__init__(model, target, max_batch_size, max_seq_len)
-        self.lookups = NgramDrafter(min_n, max_n, history)
