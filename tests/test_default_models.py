@@ -98,18 +98,24 @@ def test_the_training_report_matches_the_model_card():
     assert report["target"]["held_out_loss"] < TARGET_HELD_OUT_LOSS_BOUND
 
 
+def serve_code_losslessly(target, drafter):
+    """Two held-out code prompts served together at k = 3: target-only's output. The state's stats."""
+    prompts = [target.tokenizer.encode(p).ids[-200:] for p in code_prompts(2, seed=5)]
+    params = SamplingParams(max_tokens=32)
+    engine = Engine(target, drafter, 2, 512, [3], initial_k=3)
+    requests = [Request(tuple(p), params) for p in prompts]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, prompts, params)]
+    return engine.state.stats
+
+
 def test_the_shipped_dflash_drafter_fits_the_target_and_serves_it_losslessly(target):
     from engine.dflash import DFlashDrafter, load_dflash
 
     dflash = load_dflash(ROOT / "models" / "dflash", target.model)
     assert dflash.config.target_layer_ids == (1, 3, 5) and dflash.config.block_size == 8
-    prompts = [target.tokenizer.encode(p).ids[-200:] for p in code_prompts(2, seed=5)]
-    params = SamplingParams(max_tokens=32)
-    engine = Engine(target, DFlashDrafter(dflash, target.model, 2, 512), 2, 512, [3], initial_k=3)
-    requests = [Request(tuple(p), params) for p in prompts]
-    outputs = engine.run_until_done(requests)
-    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, prompts, params)]
-    assert engine.state.stats.drafts_accepted > 0  # trained: some of its drafts are the target's
+    stats = serve_code_losslessly(target, DFlashDrafter(dflash, target.model, 2, 512))
+    assert stats.drafts_accepted > 0  # trained: some of its drafts are the target's
 
 
 def test_the_shipped_eagle3_head_fits_the_target_and_serves_it_losslessly(target):
@@ -117,11 +123,5 @@ def test_the_shipped_eagle3_head_fits_the_target_and_serves_it_losslessly(target
 
     head = load_eagle3(ROOT / "models" / "eagle3", target.model)
     assert head.taps == (1, 3, 4) and head.config.draft_vocab_size == 2048
-    prompts = [target.tokenizer.encode(p).ids[-200:] for p in code_prompts(2, seed=5)]
-    params = SamplingParams(max_tokens=32)
-    engine = Engine(target, Eagle3Drafter(head, target.model, 2, 512), 2, 512, [3], initial_k=3)
-    requests = [Request(tuple(p), params) for p in prompts]
-    outputs = engine.run_until_done(requests)
-    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, prompts, params)]
-    stats = engine.state.stats
+    stats = serve_code_losslessly(target, Eagle3Drafter(head, target.model, 2, 512))
     assert stats.drafts_accepted > stats.drafts_proposed / 3  # trained: many of its drafts are the target's
