@@ -378,6 +378,7 @@ def make_drafter(
     if kind == "draft_model":
         return DraftModelDrafter(draft, max_batch_size, max_seq_len, quantize)
     if kind == "hybrid":
-        lookups = {"min_n": ngram_min, "max_n": ngram_max, "history": lookup_history}
-        return HybridDrafter(draft, max_batch_size, max_seq_len, quantize, **lookups)
+        return HybridDrafter(
+            draft, max_batch_size, max_seq_len, quantize, min_n=ngram_min, max_n=ngram_max, history=lookup_history
+        )
     raise ValueError(f"unknown drafter {kind!r}: expected draft_model, hybrid, ngram or none")

@@ -260,7 +260,6 @@ class CallGraphs:
         padding: Callable[[int], tuple[Tensor, ...]],
         body: Callable[..., tuple[Tensor, ...]],
     ) -> None:
-        self.backend = backend
         self.calls: dict[int, CapturedCall] = {}
         self.captures = 0
         self.replays = 0
