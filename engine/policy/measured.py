@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 from engine.policy.contracts import Decision, Observation
 from engine.policy.params import PolicyParams
@@ -21,12 +22,30 @@ MAX_SPACING = 64
 FRESH_SPACINGS = 2
 
 
+class Round(NamedTuple):
+    tokens: int
+    seconds: float
+    accepted: tuple[int, ...]  # accepted drafts of each sequence
+
+
 def window_rate(rounds: Seq[tuple[int, float]]) -> float:
     """Tokens per second of recent (tokens, seconds) rounds: their tokens over their seconds (a
     mean of per-round rates would weigh a round of 1 token as much as one of 6), each round held
     to STALL_FACTOR times the median, so that a few rounds the machine stalled in do not move it."""
-    most = STALL_FACTOR * statistics.median(seconds for _, seconds in rounds)
-    return sum(tokens for tokens, _ in rounds) / sum(min(seconds, most) for _, seconds in rounds)
+    return sum(r[0] for r in rounds) / (len(rounds) * round_seconds(rounds))
+
+
+def round_seconds(rounds: Seq[tuple[int, float]]) -> float:
+    """Mean seconds of recent rounds, each held to STALL_FACTOR times their median."""
+    most = STALL_FACTOR * statistics.median(r[1] for r in rounds)
+    return sum(min(r[1], most) for r in rounds) / len(rounds)
+
+
+def tokens_at(accepted: Seq[int], k: int) -> int:
+    """Tokens a round would have emitted at a draft length k no longer than the one it ran at: a
+    chain's first k drafts are the same whatever its length, and so is whether each is kept
+    (exactly for greedy requests and the token rule; the block rule keeps about as many)."""
+    return sum(min(kept, k) + 1 for kept in accepted)
 
 
 class MeasuredPolicy(Schedule):
@@ -37,10 +56,12 @@ class MeasuredPolicy(Schedule):
     the ladder, for `update_interval` rounds, since the traffic may have changed: a try that wins
     is kept, one that loses is repeated only after as many rounds as keep what tries lose within
     `exploration` of the serving time (a close neighbour is tried often, a far worse one seldom).
-    A try is charged all it cost, its first round included, in which a drafter left behind at
-    k = 0 catches up. Rates are kept per batch size, and a change of batch size returns to the
-    fastest k measured there. Nothing is modelled: the drafter, the verification rule, the
-    round's own work and the machine are all in the measurement.
+    A try is judged against the k it left on the same rounds (`paired_rates`), so that the luck
+    of its few rounds does not decide it. A try is charged all it cost, its first round included,
+    in which a drafter left behind at k = 0 catches up. Rates are kept per batch size, and a
+    change of batch size returns to the fastest k measured there. Nothing is modelled: the
+    drafter, the verification rule, the round's own work and the machine are all in the
+    measurement.
     """
 
     def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
@@ -50,8 +71,8 @@ class MeasuredPolicy(Schedule):
         super().__init__(params, initial_k if initial_k is not None else middle, candidates)
         self.rounds = 0
         self.batch_size = 1
-        # (k, batch size) -> the last WINDOW_ROUNDS rounds' (tokens, seconds), and the round last seen
-        self.windows: dict[tuple[int, int], tuple[deque[tuple[int, float]], int]] = {}
+        # (k, batch size) -> the last WINDOW_ROUNDS rounds at k, and the round last seen
+        self.windows: dict[tuple[int, int], tuple[deque[Round], int]] = {}
         # (k, batch size) -> the round from which trying k again is due
         self.due: dict[tuple[int, int], int] = {}
         self.probe_from: int | None = None
@@ -66,7 +87,7 @@ class MeasuredPolicy(Schedule):
         window = self.windows.get((self._k, self.batch_size))
         if window is None or not window[0]:
             return 0.0
-        return sum(tokens for tokens, _ in window[0]) / (len(window[0]) * self.batch_size) - 1
+        return sum(r.tokens for r in window[0]) / (len(window[0]) * self.batch_size) - 1
 
     def rate(self, k: int, batch_size: int) -> float | None:
         """Tokens per second of k's recent rounds at this batch size, while current; a round the
@@ -88,7 +109,7 @@ class MeasuredPolicy(Schedule):
             return  # the move's own cost: charged to the try, not to the k's rate
         key = (observation.k, observation.batch_size)
         window = self.windows[key][0] if key in self.windows else deque(maxlen=WINDOW_ROUNDS)
-        window.append((tokens, seconds))
+        window.append(Round(tokens, seconds, observation.accepted))
         self.windows[key] = (window, self.rounds)
 
     def observe(self, observation: Observation) -> Decision | None:
@@ -119,23 +140,38 @@ class MeasuredPolicy(Schedule):
 
     def _judge_try(self, b: int, tried: int, left: int) -> Decision | None:
         self.probe_from = None
-        tried_rate, left_rate = self.rate(tried, b), self.rate(left, b)
-        if tried_rate is None or left_rate is None:
+        rates = self.paired_rates(tried, left, b)
+        if rates is None:
             return self.move(left, "measured")
+        tried_rate, left_rate = rates
         if tried_rate > left_rate * (1 + self.params.switch_margin):
             for k in self._neighbours(tried):
-                self.due.pop((k, b), None)  # the traffic changed: look around the new k soon
+                if k != left:
+                    self.due.pop((k, b), None)  # the traffic changed: look further the same way soon
+            # The k left just lost: it is tried again as a neighbour that lost would be.
+            self.due[(left, b)] = self.rounds + self.params.probe_interval
             return None
         # What the try cost beyond serving its tokens at the rate left, in rounds of the k left:
         # the next try comes when tries have lost at most `exploration` of the time.
         tokens, seconds = self.trial
         lost = max(0.0, seconds - tokens / left_rate)
-        rounds = self.windows[(left, b)][0]
-        round_seconds = sum(seconds for _, seconds in rounds) / len(rounds)
-        spacing = lost / (self.params.exploration * round_seconds)
+        spacing = lost / (self.params.exploration * round_seconds(self.windows[(left, b)][0]))
         spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
         self.due[(tried, b)] = self.rounds + int(spacing)
         return self.move(left, "measured")
+
+    def paired_rates(self, tried: int, left: int, b: int) -> tuple[float, float] | None:
+        """Tokens per second of the k tried and of the k left, both over the same rounds: those
+        of the longer one, whose tokens at the shorter are known exactly (`tokens_at`), each k's
+        round seconds its own. Tokens vary from round to round far more than seconds do; judged
+        on the same rounds, that luck falls on both sides alike."""
+        if self.rate(tried, b) is None or self.rate(left, b) is None:
+            return None
+        short, long = sorted((tried, left))
+        rounds = self.windows[(long, b)][0]
+        tokens = {long: sum(r.tokens for r in rounds), short: sum(tokens_at(r.accepted, short) for r in rounds)}
+        rates = {k: tokens[k] / (len(rounds) * round_seconds(self.windows[(k, b)][0])) for k in (short, long)}
+        return rates[tried], rates[left]
 
     def _neighbours(self, k: int) -> list[int]:
         i = self.candidates.index(k)
