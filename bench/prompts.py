@@ -19,12 +19,15 @@ def held_out_files() -> list[Path]:
     return files
 
 
-def code_prompts(count: int, seed: int = 0, max_chars: int = 1200) -> list[str]:
-    """`count` prompts, each a held-out file's text up to and including a random `def` line."""
+def code_prompts(count: int, seed: int = 0, max_chars: int = 1200, files: list[Path] | None = None) -> list[str]:
+    """`count` prompts, each a held-out file's text (the standard library's tests, or `files`) up
+    to and including a random `def` line; fewer if the files hold too few `def` lines to find."""
     rng = random.Random(seed)
-    files = held_out_files()
+    files = held_out_files() if files is None else files
     prompts: list[str] = []
-    while len(prompts) < count:
+    for _ in range(100 * count if files else 0):
+        if len(prompts) == count:
+            break
         path = rng.choice(files)
         try:
             lines = path.read_text(encoding="utf-8").splitlines(keepends=True)

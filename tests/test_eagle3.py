@@ -545,8 +545,15 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     command[3], command[5] = str(reduced), "10"
     command[command.index("--work") + 1] = str(tmp_path / "work16")
     command += ["--init", str(out), "--draft-vocab", "16"]
+    # Held-out files of its own: the head serves prompts cut from them at the end.
+    lines = [" ".join(f"w{rng.randrange(2, 40)}" for _ in range(6)) for _ in range(12)]
+    (tmp_path / "held.py").write_text("\n".join(lines[:8] + ["def w3(w4):"] + lines[8:]) + "\n")
+    command[command.index("--prompts") + 1] = "2"
+    command += ["--held-out", str(tmp_path / "held.py")]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    held_out = json.loads((reduced / "training_report.json").read_text())["held_out"]
+    assert held_out["rounds"] > 0 and len(held_out["kept_at_position"]) == 3
     small = load_eagle3(reduced, target.model)
     ids = small.draft_to_target()
     counts = torch.bincount(torch.load(work / "greedy.pt").flatten(), minlength=64)

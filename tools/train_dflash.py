@@ -19,8 +19,9 @@ than reading them back from disk.
 Data: without --data, the standard library's .py files outside test folders (what the default
 models were trained on); held out, its test files. Resumable: a checkpoint in --work every 100
 steps, and the regenerated sequences chunk by chunk, picked up by the same command. --init starts
-from a drafter of the same shape. At the end, the drafter serves the held-out code prompts at
-k = B - 1 in the engine, greedy, batch 1, and the drafts kept per block position are written to
+from a drafter of the same shape. At the end, the drafter serves --prompts code prompts cut from
+the held-out files (the standard library's tests, or those of --held-out) at k = B - 1 in the
+engine, greedy, batch 1, and the drafts kept per block position are written to
 OUT/training_report.json.
 """
 
@@ -208,18 +209,25 @@ def lr_at(step: int, steps: int, peak: float) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
+def served_length(target: Checkpoint) -> int:
+    """The longest sequence the held-out prompts are served at: 2048 tokens, or the target's
+    positions where it has fewer."""
+    return min(2048, target.model.config.max_position_embeddings)
+
+
 @torch.inference_mode()
 def held_out_acceptance(target: Checkpoint, drafter: Drafter, k: int, prompts: list[str], tokens: int = 96) -> dict:
-    """Serve held-out prompts at k, greedy, batch 1 (the drafter made for batch 1 and 2048
-    positions): the drafts kept per round and per draft position."""
+    """Serve held-out prompts at k, greedy, batch 1 (the drafter made for batch 1 and
+    `served_length` positions): the drafts kept per round and per draft position."""
     from engine.core import Engine
     from engine.request import Request
     from engine.sampling import SamplingParams
 
-    engine = Engine(target, drafter, 1, 2048, [k], initial_k=k)
+    length = served_length(target)
+    engine = Engine(target, drafter, 1, length, [k], initial_k=k)
     params = SamplingParams(max_tokens=tokens)
     for prompt in prompts:
-        ids = target.tokenizer.encode(prompt).ids[-(2048 - tokens - 8) :]
+        ids = target.tokenizer.encode(prompt).ids[-(length - tokens - 8) :]
         engine.run_until_done([Request(tuple(ids), params)])
     stats = engine.state.stats
     return {
@@ -338,10 +346,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from bench.prompts import code_prompts
 
-        prompts = code_prompts(args.prompts, seed=args.seed + 1) if not args.held_out else []
+        prompts = code_prompts(args.prompts, seed=args.seed + 1, files=held_files)
         if prompts:
             served = load_checkpoint(args.target)
-            drafter = DFlashDrafter(draft.to(served.model.embed_tokens.weight.device), served.model, 1, 2048)
+            drafter = DFlashDrafter(
+                draft.to(served.model.embed_tokens.weight.device), served.model, 1, served_length(served)
+            )
             report["held_out"] = held_out_acceptance(served, drafter, args.block - 1, prompts)
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

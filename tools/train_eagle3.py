@@ -20,8 +20,9 @@ renormalized over them; --init from a head over the whole vocabulary keeps its r
 
 Data, resumption and the final report are those of tools/train_dflash.py: the standard library's
 .py files by default (its test files held out), a checkpoint in --work every 100 steps, and at the
-end the head serves held-out code prompts at k = --unroll, greedy, batch 1, and the drafts kept per
-chain position go to OUT/training_report.json.
+end the head serves --prompts code prompts cut from the held-out files (or those of --held-out)
+at k = --unroll, greedy, batch 1, and the drafts kept per chain position go to
+OUT/training_report.json.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from train_dflash import (  # noqa: E402  (tools/, beside this script)
     greedy_continuations,
     held_out_acceptance,
     lr_at,
+    served_length,
     training_batch,
     training_data,
 )
@@ -264,15 +266,14 @@ def main(argv: list[str] | None = None) -> None:
         "last_kl_per_step": [sum(s[j] for s in recent) / max(1, len(recent)) for j in range(args.unroll)],
         "wall_seconds_this_run": round(time.time() - started, 1),
     }
-    if args.prompts and held_files and not args.held_out:
+    if args.prompts and held_files:
         from bench.prompts import code_prompts
 
-        served = load_checkpoint(args.target)
-        loaded = load_eagle3(args.out, served.model)
-        drafter = Eagle3Drafter(loaded, served.model, 1, 2048)
-        report["held_out"] = held_out_acceptance(
-            served, drafter, args.unroll, code_prompts(args.prompts, seed=args.seed + 1)
-        )
+        prompts = code_prompts(args.prompts, seed=args.seed + 1, files=held_files)
+        if prompts:
+            served = load_checkpoint(args.target)
+            drafter = Eagle3Drafter(load_eagle3(args.out, served.model), served.model, 1, served_length(served))
+            report["held_out"] = held_out_acceptance(served, drafter, args.unroll, prompts)
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
