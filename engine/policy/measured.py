@@ -28,17 +28,17 @@ class Round(NamedTuple):
     accepted: tuple[int, ...]  # accepted drafts of each sequence
 
 
-def window_rate(rounds: Seq[tuple[int, float]]) -> float:
-    """Tokens per second of recent (tokens, seconds) rounds: their tokens over their seconds (a
-    mean of per-round rates would weigh a round of 1 token as much as one of 6), each round held
-    to STALL_FACTOR times the median, so that a few rounds the machine stalled in do not move it."""
-    return sum(r[0] for r in rounds) / (len(rounds) * round_seconds(rounds))
+def window_rate(rounds: Seq[Round]) -> float:
+    """Tokens per second of recent rounds: their tokens over their seconds (a mean of per-round
+    rates would weigh a round of 1 token as much as one of 6), each round held to STALL_FACTOR
+    times the median, so that a few rounds the machine stalled in do not move it."""
+    return sum(r.tokens for r in rounds) / (len(rounds) * round_seconds(rounds))
 
 
-def round_seconds(rounds: Seq[tuple[int, float]]) -> float:
+def round_seconds(rounds: Seq[Round]) -> float:
     """Mean seconds of recent rounds, each held to STALL_FACTOR times their median."""
-    most = STALL_FACTOR * statistics.median(r[1] for r in rounds)
-    return sum(min(r[1], most) for r in rounds) / len(rounds)
+    most = STALL_FACTOR * statistics.median(r.seconds for r in rounds)
+    return sum(min(r.seconds, most) for r in rounds) / len(rounds)
 
 
 def tokens_at(accepted: Seq[int], k: int) -> int:
@@ -148,7 +148,7 @@ class MeasuredPolicy(Schedule):
             for k in self._neighbours(tried):
                 if k != left:
                     self.due.pop((k, b), None)  # the traffic changed: look further the same way soon
-            # The k left just lost: it is tried again as a neighbour that lost would be.
+            # The k left just lost on these very rounds: not tried again for probe_interval rounds.
             self.due[(left, b)] = self.rounds + self.params.probe_interval
             return None
         # What the try cost beyond serving its tokens at the rate left, in rounds of the k left:
