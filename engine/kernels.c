@@ -634,3 +634,50 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, int norm_befor
     free(arena);
     return 0;
 }
+
+/* Greedy EAGLE-3 chains for `rows` sequences in one call: what a chain step by step from Python
+ * would draft, without a return to Python between steps. Row r's chain starts from its first
+ * draft, tokens[r * width], and its last verified output feature, features[r] ([rows, hidden],
+ * overwritten); step j writes its entry at start[r] + j and drafts tokens[r * width + j + 1] (the
+ * argmax of its logits, the first of equals as torch.argmax, mapped by draft_to_target), for j <
+ * steps[r]. Rows that are done drop out of the later steps. */
+int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_before_residual, const Cache *cache,
+                         int rows, const int32_t *slot, const int32_t *start, const int32_t *steps,
+                         const int64_t *draft_to_target, float *features, int64_t *tokens, int width, int threads) {
+    const int hidden = m->hidden, vocab = m->vocab;
+    int longest = 0;
+    for (int r = 0; r < rows; r++)
+        if (steps[r] > longest) longest = steps[r];
+    float *arena = malloc(sizeof(float) * (size_t)rows * (2 * hidden + vocab));
+    int32_t *meta = malloc(sizeof(int32_t) * (size_t)rows * 4);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)rows);
+    if (!arena || !meta || !ids) {
+        free(arena), free(meta), free(ids);
+        return -1;
+    }
+    float *in = arena, *out = arena + (int64_t)rows * hidden, *logits = out + (int64_t)rows * hidden;
+    int32_t *row_of = meta, *slots = meta + rows, *positions = meta + 2 * rows, *selected = meta + 3 * rows;
+    int failed = 0;
+    for (int j = 0; j < longest && !failed; j++) {
+        int n = 0;
+        for (int r = 0; r < rows; r++) {
+            if (steps[r] <= j) continue;
+            row_of[n] = r, slots[n] = slot[r], positions[n] = start[r] + j, selected[n] = n;
+            ids[n] = tokens[(int64_t)r * width + j];
+            memcpy(in + (int64_t)n * hidden, features + (int64_t)r * hidden, sizeof(float) * (size_t)hidden);
+            n++;
+        }
+        failed = adaspec_eagle3_step(m, hidden_norm, norm_before_residual, NULL, cache, n, ids, in, slots, positions,
+                                     n, selected, out, logits, threads);
+        for (int s = 0; s < n && !failed; s++) {
+            const float *row = logits + (int64_t)s * vocab;
+            int best = 0;
+            for (int v = 1; v < vocab; v++)
+                if (row[v] > row[best]) best = v;
+            tokens[(int64_t)row_of[s] * width + j + 1] = draft_to_target[best];
+            memcpy(features + (int64_t)row_of[s] * hidden, out + (int64_t)s * hidden, sizeof(float) * (size_t)hidden);
+        }
+    }
+    free(arena), free(meta), free(ids);
+    return failed;
+}

@@ -223,6 +223,22 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.adaspec_eagle3_step.restype = ctypes.c_int
+    lib.adaspec_eagle3_chain.argtypes = [
+        ctypes.POINTER(_Model),
+        _ptr,
+        ctypes.c_int,
+        ctypes.POINTER(_Cache),
+        ctypes.c_int,
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        _ptr,
+        _ptr,
+        _ptr,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.adaspec_eagle3_chain.restype = ctypes.c_int
     return lib
 
 
@@ -559,6 +575,7 @@ class NativeEagle3:
             self._layer,
         )
         self.hidden_size, self.draft_vocab = config.hidden_size, config.draft_vocab_size
+        self.draft_ids = model.draft_to_target().contiguous()  # draft id -> target id, for the chain's argmax
         self._cache = _CacheStructs()
 
     def step(
@@ -602,3 +619,34 @@ class NativeEagle3:
         if failed:
             raise MemoryError("the compiled EAGLE-3 step could not allocate its activations")
         return out, logits
+
+    def chain(
+        self, cache: KVCache, slots: list[int], starts: list[int], steps: list[int], first: list[int], features: Tensor
+    ) -> list[list[int]]:
+        """Greedy chains in one call: row r drafts `steps[r]` tokens after its first draft `first[r]`,
+        from its last verified output feature (`features` [rows, hidden]), its entries written at
+        starts[r] onwards. Each row's drafts, its first included."""
+        rows, width = len(slots), max(steps) + 1
+        tokens = torch.zeros(rows, width, dtype=torch.long)
+        tokens[:, 0] = torch.tensor(first)
+        features = features.float().contiguous().clone()  # the kernel overwrites it step by step
+        meta = (_i32 * (3 * rows))(*slots, *starts, *steps)
+        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        failed = self.lib.adaspec_eagle3_chain(
+            ctypes.byref(self.model),
+            self.hidden_norm,
+            int(self.norm_before_residual),
+            ctypes.byref(self._cache(cache)),
+            rows,
+            ctypes.cast(base, ctypes.POINTER(_i32)),
+            ctypes.cast(base + size * rows, ctypes.POINTER(_i32)),
+            ctypes.cast(base + 2 * size * rows, ctypes.POINTER(_i32)),
+            self.draft_ids.data_ptr(),
+            features.data_ptr(),
+            tokens.data_ptr(),
+            width,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the compiled EAGLE-3 chain could not allocate its activations")
+        return [row[: n + 1] for row, n in zip(tokens.tolist(), steps)]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import CheckpointError, Eagle3Config, ModelConfig, eagle3_taps
 from engine.core import Engine
+from engine.drafters import Proposal
 from engine.eagle3 import Eagle3Drafter, Eagle3Model, HybridEagle3Drafter, load_eagle3, save_eagle3
 from engine.generate import generate
 from engine.request import Request, Sequence
@@ -299,6 +300,34 @@ def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path, no
         assert torch.allclose(got[finite], want[finite], atol=1e-4, rtol=1e-4)
     for got, want in zip(values, expected_values):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_compiled_greedy_chain_drafts_what_the_chain_step_by_step_does(pair, trained_head):
+    """Greedy chains run whole in the kernels, one call a round: rows with different k (one drops
+    out early, one has no steps after its first draft) draft exactly the tokens of the chain run a
+    step at a time from Python, and both leave the same entries in the head's cache."""
+    target, _ = pair
+    if target.model.native is None:
+        pytest.skip("no compiled kernels here")
+    prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    drafter = Eagle3Drafter(trained_head, target.model, len(prompts), MAX_SEQ_LEN)
+    cache = target.model.new_cache(len(prompts), MAX_SEQ_LEN)
+    slots = [cache.allocate() for _ in prompts]
+    batch = target.model.batch(cache, slots, [p[:-1] for p in prompts])
+    seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(prompts)]
+    drafter.admit(seqs, target.model(batch, cache, capture=drafter.capture_layers).hidden)
+    drafter.catch_up(seqs)
+    ks, rows = [7, 3, 1], [0, 1, 2]
+    compiled = [Proposal([]) for _ in seqs]
+    drafter.native_chains(seqs, ks, rows, compiled)
+    entries = [drafter.cache.k[0, s.draft_slot].clone() for s in seqs]
+    stepped = [Proposal([]) for _ in seqs]
+    drafter.chains(seqs, ks, rows, stepped)
+    assert [len(p.tokens) for p in compiled] == ks
+    assert [p.tokens for p in compiled] == [p.tokens for p in stepped]
+    assert len({tuple(p.tokens) for p in compiled}) == len(seqs)  # the rows drafted their own chains
+    for seq, before in zip(seqs, entries):
+        assert torch.allclose(drafter.cache.k[0, seq.draft_slot], before, atol=1e-5)
 
 
 @pytest.mark.parametrize("verification", ["block", "token"])
