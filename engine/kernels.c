@@ -635,6 +635,14 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, int norm_befor
     return 0;
 }
 
+/* The first index of the largest value, as torch.argmax. */
+static int argmax(const float *row, int n) {
+    int best = 0;
+    for (int v = 1; v < n; v++)
+        if (row[v] > row[best]) best = v;
+    return best;
+}
+
 /* Greedy EAGLE-3 chains for `rows` sequences in one call: what a chain step by step from Python
  * would draft, without a return to Python between steps. Row r's chain starts from its first
  * draft, tokens[r * width], and its last verified output feature, features[r] ([rows, hidden],
@@ -670,14 +678,56 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
         failed = adaspec_eagle3_step(m, hidden_norm, norm_before_residual, NULL, cache, n, ids, in, slots, positions,
                                      n, selected, out, logits, threads);
         for (int s = 0; s < n && !failed; s++) {
-            const float *row = logits + (int64_t)s * vocab;
-            int best = 0;
-            for (int v = 1; v < vocab; v++)
-                if (row[v] > row[best]) best = v;
-            tokens[(int64_t)row_of[s] * width + j + 1] = draft_to_target[best];
+            tokens[(int64_t)row_of[s] * width + j + 1] = draft_to_target[argmax(logits + (int64_t)s * vocab, vocab)];
             memcpy(features + (int64_t)row_of[s] * hidden, out + (int64_t)s * hidden, sizeof(float) * (size_t)hidden);
         }
     }
     free(arena), free(meta), free(ids);
     return failed;
 }
+
+/* Greedy chains of a draft model for `rows` sequences in one call: what its forward step by step
+ * from Python would draft. Row r first feeds count[r] tokens (tokens[r * width ..], what its cache
+ * at slot[r] lacks after its start[r] cached ones), whose last logits give its first draft; then
+ * each draft but the last is fed in turn, until row r has drafts[r] drafts, written to
+ * out[r * out_width ..]. Rows that are done drop out of the later forwards. Returns -2 unless
+ * every row feeds at least one token and drafts at least one. */
+int adaspec_greedy_chain(const Model *m, const Cache *cache, int rows, int width, const int64_t *tokens,
+                         const int32_t *slot, const int32_t *start, const int32_t *count, const int32_t *drafts,
+                         int64_t *out, int out_width, int threads) {
+    int longest = 0;
+    for (int r = 0; r < rows; r++) {
+        if (drafts[r] < 1 || count[r] < 1) return -2; /* every row feeds something and drafts */
+        if (drafts[r] > longest) longest = drafts[r];
+    }
+    float *logits = malloc(sizeof(float) * (size_t)rows * m->vocab);
+    int32_t *meta = malloc(sizeof(int32_t) * (size_t)rows * 5);
+    int64_t *fed = malloc(sizeof(int64_t) * (size_t)rows);
+    if (!logits || !meta || !fed) {
+        free(logits), free(meta), free(fed);
+        return -1;
+    }
+    int32_t *row_of = meta, *slots = meta + rows, *starts = meta + 2 * rows, *counts = meta + 3 * rows;
+    int32_t *next = meta + 4 * rows; /* per row: where its next token goes in its cache */
+    int failed = 0;
+    for (int j = 0; j < longest && !failed; j++) {
+        int n = 0;
+        for (int r = 0; r < rows; r++) {
+            if (drafts[r] <= j) continue;
+            if (j == 0) next[r] = start[r];
+            row_of[n] = r, slots[n] = slot[r], starts[n] = next[r], counts[n] = j == 0 ? count[r] : 1;
+            if (j > 0) fed[n] = out[(int64_t)r * out_width + j - 1];
+            n++;
+        }
+        const Batch b = {n, j == 0 ? width : 1, j == 0 ? tokens : fed, slots, starts, counts, 1, logits,
+                         0, NULL, NULL, threads, 0, 0, 0};
+        failed = adaspec_forward(m, cache, &b);
+        for (int s = 0; s < n && !failed; s++) {
+            out[(int64_t)row_of[s] * out_width + j] = argmax(logits + (int64_t)s * m->vocab, m->vocab);
+            next[row_of[s]] += counts[s];
+        }
+    }
+    free(logits), free(meta), free(fed);
+    return failed;
+}
+

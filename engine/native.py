@@ -239,6 +239,21 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.adaspec_eagle3_chain.restype = ctypes.c_int
+    lib.adaspec_greedy_chain.argtypes = [
+        ctypes.POINTER(_Model),
+        ctypes.POINTER(_Cache),
+        ctypes.c_int,
+        ctypes.c_int,
+        _ptr,
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        _ptr,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.adaspec_greedy_chain.restype = ctypes.c_int
     return lib
 
 
@@ -445,6 +460,36 @@ class NativeForward:
         for slot, n in zip(slots, counts):
             cache.lengths[slot] += n
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def greedy_chain(
+        self, cache: KVCache, slots: list[int], inputs: list[list[int]], drafts: list[int]
+    ) -> list[list[int]]:
+        """Greedy chains in one call: each row feeds `inputs[r]` (what its cache lacks), then its
+        drafts but the last, one forward a step, until it has `drafts[r]` (each >= 1). Each row's
+        drafts; the caches then hold all the row fed."""
+        rows, width = len(slots), max(len(t) for t in inputs)
+        padded = itertools.chain.from_iterable([*t, *[0] * (width - len(t))] for t in inputs)
+        tokens = (ctypes.c_int64 * (rows * width))(*padded)
+        starts = [cache.lengths[s] for s in slots]
+        meta = (_i32 * (4 * rows))(*slots, *starts, *[len(t) for t in inputs], *drafts)
+        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        out = torch.zeros(rows, max(drafts), dtype=torch.long)
+        failed = self.lib.adaspec_greedy_chain(
+            ctypes.byref(self.model),
+            ctypes.byref(self._cache(cache)),
+            rows,
+            width,
+            ctypes.addressof(tokens),
+            *[ctypes.cast(base + i * size * rows, ctypes.POINTER(_i32)) for i in range(4)],
+            out.data_ptr(),
+            out.shape[1],
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the compiled greedy chain could not allocate its activations")
+        for slot, fed, n in zip(slots, inputs, drafts):
+            cache.lengths[slot] += len(fed) + n - 1
+        return [row[:n] for row, n in zip(out.tolist(), drafts)]
 
 
 class NativeDFlash:

@@ -154,6 +154,41 @@ def test_caches_after_rollback_equal_a_fresh_prefill(pair, kind):
         assert engine.cache.lengths[seq.slot] == len(seq.tokens) - 1
 
 
+class StepByStep:
+    """Graphs that never fit a batch: the drafter then runs its forwards one at a time from Python."""
+
+    def run(self, *args: object) -> None:
+        return None
+
+
+def test_the_compiled_greedy_chain_drafts_what_the_draft_model_step_by_step_does(pair):
+    """Greedy chains of the draft model run whole in the kernels, one call a round: rows feeding
+    different amounts (a prompt, then the round's kept tokens) and drafting different k draft
+    exactly what forwards one at a time from Python do, and leave the same cache behind."""
+    target, draft = pair
+    if draft.model.native is None:
+        pytest.skip("no compiled kernels here")
+    compiled, stepped = DraftModelDrafter(draft, 3, MAX_SEQ_LEN), DraftModelDrafter(draft, 3, MAX_SEQ_LEN)
+    stepped.graphs = StepByStep()
+    drafts = []
+    for drafter in (compiled, stepped):
+        seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(PROMPTS[:3])]
+        drafter.admit(seqs)
+        first = drafter.propose(seqs, [5, 2, 1])
+        # The target kept row 0's first draft and none of the others', then added a token of its own.
+        for seq, proposal, own in zip(seqs, first, [1, 2, 3]):
+            seq.tokens += [*proposal.tokens[: 1 if seq is seqs[0] else 0], own]
+        drafter.accept(seqs, [1, 0, 0], {})
+        second = drafter.propose(seqs, [3, 4, 0])
+        drafts.append([p.tokens for p in first + second])
+    assert [len(d) for d in drafts[0]] == [5, 2, 1, 3, 4, 0]
+    assert drafts[0] == drafts[1]
+    for slot in range(3):
+        length = compiled.cache.lengths[slot]
+        assert length == stepped.cache.lengths[slot] > 0
+        torch.testing.assert_close(compiled.cache.keys(slot)[:, :length], stepped.cache.keys(slot)[:, :length])
+
+
 def exact_marginals(target, prompt, params, positions: int) -> list[torch.Tensor]:
     """P(output token i = v) for i < positions, by enumerating every prefix."""
     model = target.model
