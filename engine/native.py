@@ -485,6 +485,8 @@ class NativeForward:
             out.shape[1],
             torch.get_num_threads(),
         )
+        if failed == -2:
+            raise ValueError("a greedy chain needs every row to feed at least one token and draft at least one")
         if failed:
             raise MemoryError("the compiled greedy chain could not allocate its activations")
         for slot, fed, n in zip(slots, inputs, drafts):
