@@ -356,7 +356,7 @@ class Eagle3Drafter:
         # As the step-by-step chain: ks[i] - 1 steps after the first draft, while the cache has room.
         steps = [max(0, min(ks[i] - 1, self.cache.max_seq_len - start)) for i, start in zip(rows, starts)]
         first = self.draft_ids[self.next_logits[slots].argmax(dim=-1)].tolist()
-        drafts = self.native.chain(self.cache, slots, starts, steps, first, self.next_feature[slots])
+        drafts = self.native.chain(self.cache, slots, starts, steps, first, self.next_feature[slots], self.draft_ids)
         for i, tokens in zip(rows, drafts):
             proposals[i].tokens = tokens
 

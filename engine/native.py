@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -285,6 +286,12 @@ def gate_up_panels(weight: Tensor, bias: Tensor | None, inter: int) -> tuple[Ten
     return panels(interleave(weight)), (interleave(bias).float().contiguous() if bias is not None else None)
 
 
+def _padded_tokens(rows: Sequence[Sequence[int]], width: int) -> ctypes.Array:
+    """Each row's tokens right-padded with 0 to `width`, as the kernels' int64 [rows, width]."""
+    padded = itertools.chain.from_iterable([*t, *[0] * (width - len(t))] for t in rows)
+    return (ctypes.c_int64 * (len(rows) * width))(*padded)
+
+
 class _Weights:
     """Copies of parameters in the layouts the kernels read, kept alive while structures point into them."""
 
@@ -433,8 +440,7 @@ class NativeForward:
         if isinstance(batch, TokenBatch):
             slots, counts = batch.slots, [len(t) for t in batch.new_tokens]
             rows, width = len(slots), max(counts)
-            padded = itertools.chain.from_iterable([*t, *[0] * (width - len(t))] for t in batch.new_tokens)
-            tokens: ctypes.Array | Tensor = (ctypes.c_int64 * (rows * width))(*padded)  # held until the call returns
+            tokens: ctypes.Array | Tensor = _padded_tokens(batch.new_tokens, width)  # held until the call returns
             tokens_address = ctypes.addressof(tokens)
         else:
             slots, counts = batch.slot_list, batch.num_new
@@ -468,8 +474,7 @@ class NativeForward:
         drafts but the last, one forward a step, until it has `drafts[r]` (each >= 1). Each row's
         drafts; the caches then hold all the row fed."""
         rows, width = len(slots), max(len(t) for t in inputs)
-        padded = itertools.chain.from_iterable([*t, *[0] * (width - len(t))] for t in inputs)
-        tokens = (ctypes.c_int64 * (rows * width))(*padded)
+        tokens = _padded_tokens(inputs, width)
         starts = [cache.lengths[s] for s in slots]
         meta = (_i32 * (4 * rows))(*slots, *starts, *[len(t) for t in inputs], *drafts)
         base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
@@ -622,7 +627,6 @@ class NativeEagle3:
             self._layer,
         )
         self.hidden_size, self.draft_vocab = config.hidden_size, config.draft_vocab_size
-        self.draft_ids = model.draft_to_target().contiguous()  # draft id -> target id, for the chain's argmax
         self._cache = _CacheStructs()
 
     def step(
@@ -668,11 +672,19 @@ class NativeEagle3:
         return out, logits
 
     def chain(
-        self, cache: KVCache, slots: list[int], starts: list[int], steps: list[int], first: list[int], features: Tensor
+        self,
+        cache: KVCache,
+        slots: list[int],
+        starts: list[int],
+        steps: list[int],
+        first: list[int],
+        features: Tensor,
+        draft_ids: Tensor,
     ) -> list[list[int]]:
         """Greedy chains in one call: row r drafts `steps[r]` tokens after its first draft `first[r]`,
         from its last verified output feature (`features` [rows, hidden]), its entries written at
-        starts[r] onwards. Each row's drafts, its first included."""
+        starts[r] onwards, each draft id mapped to a target id by `draft_ids` (int64). Each row's
+        drafts, its first included."""
         rows, width = len(slots), max(steps) + 1
         tokens = torch.zeros(rows, width, dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
@@ -688,7 +700,7 @@ class NativeEagle3:
             ctypes.cast(base, ctypes.POINTER(_i32)),
             ctypes.cast(base + size * rows, ctypes.POINTER(_i32)),
             ctypes.cast(base + 2 * size * rows, ctypes.POINTER(_i32)),
-            self.draft_ids.data_ptr(),
+            draft_ids.contiguous().data_ptr(),
             features.data_ptr(),
             tokens.data_ptr(),
             width,
