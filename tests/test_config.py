@@ -120,7 +120,7 @@ def test_every_schema_key_is_a_settings_field():
 
 @pytest.mark.parametrize(
     ("strategy", "candidates"),
-    [("measured", (0, 1, 2, 3, 4, 5, 6, 7)), ("ema", (1, 3, 7))],
+    [("measured", (0, 1, 2, 3, 5, 7)), ("ema", (1, 3, 7))],
 )
 def test_each_strategy_has_its_own_default_candidates_unless_the_file_names_them(tmp_path, strategy, candidates):
     snapshot = load_config(write(tmp_path, f'[adaptive]\nstrategy = "{strategy}"\n'))
@@ -136,9 +136,7 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
     # The daemon's defaults: the measured strategy over its own ladder (chosen on the tuning half
     # of the workload suite, docs/benchmarks.md); every other policy parameter is PolicyParams'.
-    assert snapshot.adaptive.policy == PolicyParams(
-        strategy="measured", candidate_k=(0, 1, 2, 3, 4, 5, 6, 7), ema_alpha=0.5
-    )
+    assert snapshot.adaptive.policy == PolicyParams(strategy="measured", candidate_k=(0, 1, 2, 3, 5, 7), ema_alpha=0.5)
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_k is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
     assert snapshot.engine.max_batch_size == 8 and snapshot.server.port == 8000
@@ -210,7 +208,7 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ("[adaptive]\ncandidate_steps = [1, 33]\n", "adaptive.candidate_k", "33 above engine.max_k = 32"),
         ("[adaptive]\nstatic_steps = 33\n", "adaptive.static_k", "above engine.max_k"),
         ("[adaptive]\ninitial_steps = 33\n", "adaptive.initial_k", "above engine.max_k"),
-        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_k", "5, 6, 7 above engine.max_k = 4 (the default"),
+        ("[engine]\nmax_steps = 4\n", "adaptive.candidate_k", "5, 7 above engine.max_k = 4 (the default"),
         ("[engine]\nngram_min = 5\n", "engine.ngram_min", "<= engine.ngram_max (4)"),
         ("[engine]\nngram_min = 0\n", "engine.ngram_min", ">= 1"),
         ("[engine]\nlookup_history = -1\n", "engine.lookup_history", ">= 0"),
@@ -326,7 +324,7 @@ candidate_k = [1, 6]
     assert issues == {
         "adaptive.slots[0].candidate_k": "5 above engine.max_k = 4",
         "adaptive.slots[1].candidate_k": "6 above engine.max_k = 4",
-        "adaptive.candidate_k": "5, 6, 7 above engine.max_k = 4 (the default; set it explicitly)",
+        "adaptive.candidate_k": "5, 7 above engine.max_k = 4 (the default; set it explicitly)",
     }
 
 

@@ -20,9 +20,6 @@ STALL_FACTOR = 4.0
 WINDOW_ROUNDS = 32
 MAX_SPACING = 64
 FRESH_SPACINGS = 2
-# Rounds a try must have won on before it is kept; a try that is winning goes on until then.
-# Acceptance runs in streaks, and a few lucky rounds would otherwise keep a k that loses overall.
-WIN_ROUNDS = 12
 
 
 class Round(NamedTuple):
@@ -56,10 +53,9 @@ class MeasuredPolicy(Schedule):
     batch size they ran at.
 
     The policy keeps to the k measured fastest and now and then tries the candidates next to it on
-    the ladder, for `update_interval` rounds, since the traffic may have changed: a try that keeps
-    winning for WIN_ROUNDS rounds is kept, one that loses is repeated only after as many rounds as
-    keep what tries lose within `exploration` of the serving time (a close neighbour is tried
-    often, a far worse one seldom).
+    the ladder, for `update_interval` rounds, since the traffic may have changed: a try that wins
+    is kept, one that loses is repeated only after as many rounds as keep what tries lose within
+    `exploration` of the serving time (a close neighbour is tried often, a far worse one seldom).
     A try is judged against the k it left on the same rounds (`paired_rates`), so that the luck
     of its few rounds does not decide it. A try is charged all it cost, its first round included,
     in which a drafter left behind at k = 0 catches up. Rates are kept per batch size, and a
@@ -143,16 +139,12 @@ class MeasuredPolicy(Schedule):
         return None
 
     def _judge_try(self, b: int, tried: int, left: int) -> Decision | None:
+        self.probe_from = None
         rates = self.paired_rates(tried, left, b)
         if rates is None:
-            self.probe_from = None
             return self.move(left, "measured")
         tried_rate, left_rate = rates
-        wins = tried_rate > left_rate * (1 + self.params.switch_margin)
-        if wins and len(self.windows[(tried, b)][0]) < WIN_ROUNDS:
-            return None  # winning so far: the try goes on
-        self.probe_from = None
-        if wins:
+        if tried_rate > left_rate * (1 + self.params.switch_margin):
             for k in self._neighbours(tried):
                 if k != left:
                     self.due.pop((k, b), None)  # the traffic changed: look further the same way soon
