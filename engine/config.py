@@ -202,6 +202,13 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     target: str = ""  # the name of the target it was trained for
+    # Ids its drafts are chosen from: the target's most frequent (the model's d2t maps them), or
+    # 0 for the whole vocabulary. The LM head over a block's drafts is most of a draft's cost.
+    draft_vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.draft_vocab_size:
+            object.__setattr__(self, "draft_vocab_size", self.vocab_size)
 
     def to_json(self) -> dict:
         shape = {k: v for k, v in asdict(self).items() if k not in ("target_layer_ids", "mask_token_id", "num_layers")}
@@ -232,6 +239,7 @@ class DFlashConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(raw.get("rope_theta", 10000.0)),
                 target=str(raw.get("target", "")),
+                draft_vocab_size=int(raw.get("draft_vocab_size") or 0),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None
@@ -249,6 +257,8 @@ def dflash_problems(config: DFlashConfig, target: ModelConfig) -> list[str]:
         problems.append(f"taps {outside} outside the target's layers 0..{target.num_layers - 1}")
     if not 0 <= config.mask_token_id < target.vocab_size:
         problems.append(f"mask token id {config.mask_token_id} outside the vocabulary (0..{target.vocab_size - 1})")
+    if not 0 < config.draft_vocab_size <= config.vocab_size:
+        problems.append(f"draft vocabulary of {config.draft_vocab_size} (needs 1..{config.vocab_size})")
     if config.block_size < 2:
         problems.append(f"block size {config.block_size} (needs at least 2)")
     return problems

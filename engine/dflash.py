@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.backend import Backend
-from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflash
-from engine.drafters import LookupFirst, Proposal
+from engine.config import CheckpointError, DFlashConfig, RopeConfig, check_weights, inspect_dflash
+from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
@@ -85,8 +85,9 @@ class DraftLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-class DFlashModel(nn.Module):
-    """The draft layers; the embedding and the LM head come from the target at each call."""
+class DFlashModel(DraftVocabulary, nn.Module):
+    """The draft layers; the embedding and the LM head come from the target at each call (the
+    head's rows of the draft vocabulary only, where the checkpoint has one)."""
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -95,6 +96,8 @@ class DFlashModel(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.draft_vocab_size < config.vocab_size:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         inv_freq = rope_inverse_frequencies(RopeConfig(theta=config.rope_theta), config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -129,8 +132,8 @@ class DFlashModel(nn.Module):
         target: Transformer,
         drafts: int | None = None,
     ) -> Tensor:
-        """Logits of every block position [B, S, V], or of the first `drafts` after the first
-        ([B, drafts, V]: the LM head over the whole vocabulary need not run on the others). block: token ids [B, S];
+        """Logits over the draft vocabulary of every block position [B, S, V], or of the first
+        `drafts` after the first ([B, drafts, V]: the LM head need not run on the others). block: token ids [B, S];
         positions [B, S]; context_k/v: per layer [B, C, kv_heads, D]; mask: which keys (context,
         then block) each block position sees, [B, 1, S, C + S]."""
         x = target.embed_tokens(block).to(self.fc.weight.dtype)
@@ -140,9 +143,15 @@ class DFlashModel(nn.Module):
         if drafts is not None:
             x = x[:, 1 : drafts + 1]
         x = self.norm(x).to(target.lm_head.weight.dtype)
+        if self.config.draft_vocab_size < self.config.vocab_size:
+            return F.linear(x, self.head(target))
         if torch.is_grad_enabled():  # training: a CPU target's packed head (Linear.pack) has no backward
             return F.linear(x, target.lm_head.weight)
         return target.lm_head(x)
+
+    def head(self, target: Transformer) -> Tensor:
+        """The rows of the target's LM head of the draft vocabulary ([draft vocab, H])."""
+        return target.lm_head.weight.index_select(0, self.draft_to_target())
 
 
 def block_mask(context_len: Tensor, width: int, size: int) -> Tensor:
@@ -167,6 +176,10 @@ def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
     weights = path / "model.safetensors"
     state = load_file(str(weights))
     check_weights(weights, state, model.state_dict())
+    if "d2t" in state:
+        ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
+        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+            raise CheckpointError(f"{weights}: d2t maps draft ids outside the vocabulary (0..{config.vocab_size - 1})")
     model.load_state_dict(state)
     # On a CPU the drafter runs in float32 (PyTorch operators); elsewhere in the target's dtype.
     device = target.embed_tokens.weight.device
@@ -192,7 +205,7 @@ class DFlashDrafter:
         # keys position-minor); the block's keys and values are written past the context, hence the room.
         lib = native.library() if target.native is not None and native.available(param.device, param.dtype) else None
         positions = max_seq_len + self.config.block_size
-        self.native = NativeDFlash(model, target.native, lib, positions + 1) if lib and target.native else None
+        self.native = NativeDFlash(model, target, lib, positions + 1) if lib and target.native else None
         # One "layer" of the cache per draft layer: the context keys and values it attends to.
         self.cache = KVCache(
             self.config.num_layers,
@@ -205,6 +218,7 @@ class DFlashDrafter:
             transposed_keys=self.native is not None,
         )
         self.max_k = self.config.block_size - 1
+        self.draft_ids = model.draft_to_target()  # the target id of each draft-vocabulary logit
         # Block graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: CallGraphs | None = None
 
@@ -265,17 +279,17 @@ class DFlashDrafter:
             seq, k = seqs[i], min(ks[i], self.max_k)
             drafted = logits[row, :k]
             if seq.params.greedy:
-                proposals[i].tokens = drafted.argmax(dim=-1).tolist()
+                proposals[i].tokens = self.draft_ids[drafted.argmax(dim=-1)].tolist()
             else:
-                q = target_probs(drafted, seq.params)
+                q = target_probs(self.model.full_vocabulary(drafted), seq.params)
                 proposals[i].tokens = [sample(q[j], seq.generator) for j in range(k)]
                 proposals[i].probs = q
         return proposals
 
     @torch.inference_mode()
     def block_logits(self, slots: list[int], block: Tensor, drafts: int) -> Tensor:
-        """Logits [rows, drafts, V] of block positions 1..drafts, each row's block ([rows, B] token
-        ids) after the context of its cache slot."""
+        """Logits [rows, drafts, draft vocab] of block positions 1..drafts, each row's block
+        ([rows, B] token ids) after the context of its cache slot."""
         if self.native is not None:
             return self.native.block(self.cache, slots, block, drafts)
         size, device = self.config.block_size, block.device

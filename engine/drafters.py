@@ -39,6 +39,27 @@ class Proposal:
     probs: Tensor | None = None  # [len(tokens), V] the drafter's distribution, or None if one-hot
 
 
+class DraftVocabulary:
+    """A feature drafter's own vocabulary, a subset of the target's where the checkpoint has
+    `d2t` (draft id d is target id d + d2t[d], as SpecForge writes it): a head over the frequent
+    ids costs a fraction of one over the whole vocabulary. Mixed into the drafters' nn.Modules."""
+
+    config: Any  # with vocab_size and draft_vocab_size
+    fc: nn.Linear
+    d2t: Tensor
+
+    def draft_to_target(self) -> Tensor:
+        ids = torch.arange(self.config.draft_vocab_size, device=self.fc.weight.device)
+        return ids + self.d2t if self.config.draft_vocab_size < self.config.vocab_size else ids
+
+    def full_vocabulary(self, logits: Tensor) -> Tensor:
+        """Draft-vocabulary logits placed in the target's vocabulary, the ids outside at -inf."""
+        if logits.shape[-1] == self.config.vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_to_target(), logits)
+
+
 class Drafter(Protocol):
     name: str
     capture_layers: tuple[int, ...]

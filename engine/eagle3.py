@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from engine import native
 from engine.backend import Backend
 from engine.config import CheckpointError, Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
-from engine.drafters import LookupFirst, Proposal
+from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
@@ -75,7 +75,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = Eagle3MLP(config)
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Model(DraftVocabulary, nn.Module):
     """The head's weights, named as the published checkpoints name them, and its phases: `qkv`
     of a position's embedding and feature, then `finish` once the attention ran, then `logits`."""
 
@@ -130,17 +130,6 @@ class Eagle3Model(nn.Module):
     def draft_logits(self, out: Tensor) -> Tensor:
         """Logits over the draft vocabulary (draft id d is target id `draft_to_target()[d]`)."""
         return self.lm_head(self.norm(out))
-
-    def full_vocabulary(self, logits: Tensor) -> Tensor:
-        """Draft-vocabulary logits placed in the target's vocabulary, the ids outside at -inf."""
-        if logits.shape[-1] == self.config.vocab_size:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_to_target(), logits)
-
-    def draft_to_target(self) -> Tensor:
-        ids = torch.arange(self.config.draft_vocab_size, device=self.lm_head.weight.device)
-        return ids + self.d2t if self.config.draft_vocab_size < self.config.vocab_size else ids
 
 
 def save_eagle3(model: Eagle3Model, path: Path, dtype: torch.dtype | None = None) -> None:

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -504,8 +505,9 @@ class NativeDFlash:
     draft layer's keys and values) and its block forward (non-causal within the block), with the
     target's embedding and LM head (the target's own `NativeForward`'s copies)."""
 
-    def __init__(self, model: DFlashModel, target: NativeForward, lib: ctypes.CDLL, positions: int) -> None:
-        config = model.config
+    def __init__(self, model: DFlashModel, target_model: Transformer, lib: ctypes.CDLL, positions: int) -> None:
+        config, target = model.config, target_model.native
+        assert target is not None
         self.lib, self.config, self.target = lib, config, target  # the target's copies must outlive ours
         self.weights = weights = _Weights(bf16=model.fc.weight.dtype == torch.bfloat16)
         layers = (_Layer * config.num_layers)()
@@ -526,15 +528,18 @@ class NativeDFlash:
             kv[i] = weights.linear(torch.cat((layer.k_proj.weight, layer.v_proj.weight)))
         self._layers, self._kv = layers, kv
         cos, sin = model.rope(torch.arange(positions, device=model.fc.weight.device))
+        # The target's LM head, or its rows of the draft vocabulary packed as our own.
+        reduced = config.draft_vocab_size < config.vocab_size
+        lm_head = weights.linear(model.head(target_model)) if reduced else target.model.lm_head
         self.model = _model(
-            config,
+            replace(config, vocab_size=config.draft_vocab_size),
             0,
             target.model.embed,
             target.model.embed_bf16,
             weights.keep(model.norm.weight),
             weights.keep(cos[:, 0]),
             weights.keep(sin[:, 0]),
-            target.model.lm_head,
+            lm_head,
             layers,
         )
         self.context_struct = _Context(weights.linear(model.fc.weight), weights.keep(model.hidden_norm.weight), kv)
@@ -564,7 +569,7 @@ class NativeDFlash:
         placed after each slot's context (its keys and values are written past it and left unread)."""
         rows, size = block.shape
         block = block.contiguous()
-        logits = torch.empty(rows, drafts, self.config.vocab_size)
+        logits = torch.empty(rows, drafts, self.config.draft_vocab_size)
         meta = (slots, [cache.lengths[s] for s in slots], [size] * rows)
         _run(
             self.lib,

@@ -28,9 +28,10 @@ from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginal
 BLOCK = 6
 
 
-def dflash_for(target, block_size: int = BLOCK, seed: int = 0) -> DFlashModel:
+def dflash_for(target, block_size: int = BLOCK, seed: int = 0, draft_vocab: int = 0) -> DFlashModel:
     """An untrained drafter shaped for `target`: its drafts are mostly wrong, which is what the
-    losslessness tests need (every kind of rejection happens)."""
+    losslessness tests need (every kind of rejection happens). With `draft_vocab`, it drafts
+    only that many ids of the target's, drawn at random."""
     tc = target.config
     config = DFlashConfig(
         hidden_size=tc.hidden_size,
@@ -43,9 +44,14 @@ def dflash_for(target, block_size: int = BLOCK, seed: int = 0) -> DFlashModel:
         block_size=block_size,
         target_layer_ids=default_taps(tc.num_layers, 2),
         mask_token_id=tc.vocab_size - 1,
+        draft_vocab_size=draft_vocab,
     )
     torch.manual_seed(seed)
-    return DFlashModel(config).eval().requires_grad_(False)
+    model = DFlashModel(config).eval().requires_grad_(False)
+    if draft_vocab:
+        ids = torch.randperm(tc.vocab_size)[:draft_vocab].sort().values
+        model.d2t.copy_(ids - torch.arange(draft_vocab))
+    return model
 
 
 def engine_for(target, batch: int, ks=(0, 1, 2, 3, 5), initial: int | None = None) -> Engine:
@@ -95,6 +101,36 @@ def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair):
     assert serve_switching(engine_for(target, 4), params, seed=0) == expected
 
 
+def test_a_drafter_with_its_own_vocabulary_drafts_only_its_ids_and_stays_lossless(pair):
+    """A drafter over a subset of the target's ids (its LM head: those rows of the target's) drafts
+    nothing else, its greedy drafts are the argmax over them, and the output is target-only's
+    with k changed at random every round."""
+    target, _ = pair
+    model = dflash_for(target.model, draft_vocab=40)
+    allowed = set(model.draft_to_target().tolist())
+    assert len(allowed) == 40
+    drafter = DFlashDrafter(model, target.model, 4, MAX_SEQ_LEN)
+    drafted: list[int] = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: [drafted.extend(p.tokens) or p for p in propose(*a)]  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    assert serve_switching(Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5)), params, seed=1) == expected
+    assert drafted and set(drafted) <= allowed
+    full = DFlashModel(model.config.__class__(**{**model.config.__dict__, "draft_vocab_size": 0}))
+    full.load_state_dict({k: v for k, v in model.state_dict().items() if k != "d2t"})
+    full.eval().requires_grad_(False)
+    block = torch.full((1, BLOCK), model.config.mask_token_id)
+    block[0, 0] = PROMPTS[0][-1]
+    positions = torch.arange(BLOCK)[None, :]
+    empty = torch.zeros(1, 0, model.config.num_kv_heads, model.config.head_dim)
+    mask = torch.ones(1, 1, BLOCK, BLOCK, dtype=torch.bool)
+    with torch.inference_mode():
+        reduced = model(block, positions, [empty] * 2, [empty] * 2, mask, target.model)
+        whole = full(block, positions, [empty] * 2, [empty] * 2, mask, target.model)
+    assert torch.allclose(reduced, whole[..., model.draft_to_target()], atol=1e-5)
+
+
 def test_lookups_in_front_of_dflash_stay_lossless_and_spare_its_forwards(pair):
     """hybrid_dflash: lookups propose where the context has seen the last tokens, the block
     drafter elsewhere; k changed at random every round, output equal to target-only."""
@@ -141,7 +177,8 @@ def test_the_context_cache_follows_the_target_and_rolls_back_exactly(pair):
     )
 
 
-def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path, draft_vocab):
     """On a CPU the drafter runs on the compiled kernels beside a compiled target: its context and
     its block logits equal those of the PyTorch operators, rows of different lengths in one batch."""
     from tests.conftest import tiny_pair
@@ -150,7 +187,7 @@ def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path)
     if target.model.native is None:
         pytest.skip("no compiled kernels here")
     plain, _ = tiny_pair(tmp_path, native_forward=False)  # the same weights (seeded), on PyTorch operators
-    model = dflash_for(target.model)
+    model = dflash_for(target.model, draft_vocab=draft_vocab)
     prompts = [PROMPTS[0], PROMPTS[2][:7]]
     drafters = []
     for served in (target, plain):
@@ -173,7 +210,7 @@ def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path)
     block[:, 0] = torch.tensor([p[-1] for p in prompts])
     logits = compiled.block_logits([t.draft_slot for t in rows], block, BLOCK - 1)
     expected = reference.block_logits([t.draft_slot for t in rows_ref], block, BLOCK - 1)
-    assert logits.shape == (2, BLOCK - 1, target.model.config.vocab_size)
+    assert logits.shape == (2, BLOCK - 1, draft_vocab or target.model.config.vocab_size)
     assert torch.allclose(logits, expected, atol=1e-4)
 
 
@@ -192,14 +229,15 @@ def test_tapped_hidden_states_are_the_layer_outputs_of_the_full_forward(pair):
     assert torch.allclose(hidden[0][0, : len(tokens)], states[1][0], atol=1e-4)
 
 
-@pytest.mark.parametrize("verification", ["block", "token"])
-def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification):
+@pytest.mark.parametrize("verification, draft_vocab", [("block", 0), ("token", 0), ("block", 5)])
+def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification, draft_vocab):
     target, _ = tiny_vocab_pair
     prompt = tuple(range(8)) * 2
     base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
     with torch.inference_mode():
         marginals = exact_marginals(target, prompt, base, 3)
-    drafter = DFlashDrafter(dflash_for(target.model, block_size=4), target.model, 16, 32)
+    model = dflash_for(target.model, block_size=4, draft_vocab=draft_vocab)
+    drafter = DFlashDrafter(model, target.model, 16, 32)
     engine = Engine(target, drafter, 16, 32, [2], verification=verification)
     requests = [
         Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
@@ -237,6 +275,17 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "taps [7] outside" in broken("taps", lambda c: c["dflash_config"].update(target_layer_ids=[0, 7]))
     assert "mask token id 999" in broken("mask", lambda c: c["dflash_config"].update(mask_token_id=999))
     assert "not a DFlash config" in broken("plain", lambda c: c.pop("dflash_config"))
+    assert "draft vocabulary of 100000" in broken("draft vocab", lambda c: c.update(draft_vocab_size=100000))
+
+    small = dflash_for(target.model, draft_vocab=30)
+    save_dflash(small, tmp_path / "small")
+    assert json.loads((tmp_path / "small" / "config.json").read_text())["draft_vocab_size"] == 30
+    loaded = load_dflash(tmp_path / "small", target.model)
+    assert torch.equal(loaded.draft_to_target(), small.draft_to_target())
+    small.d2t[-1] = target.model.config.vocab_size  # maps its last draft id past the vocabulary
+    save_dflash(small, tmp_path / "bad map")
+    with pytest.raises(CheckpointError, match="d2t maps draft ids outside the vocabulary"):
+        load_dflash(tmp_path / "bad map", target.model)
     with pytest.raises(CheckpointError, match="no such directory"):
         load_dflash(tmp_path / "nowhere", target.model)
 
@@ -304,9 +353,11 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
 
 
-def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 24])
+def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, tmp_path, draft_vocab):
     """With --regenerate the data is the target's own greedy output after training-text prompts
-    (what a drafter meets when the target serves greedily), and the drafter learns it."""
+    (what a drafter meets when the target serves greedily), and the drafter learns it, over the
+    whole vocabulary or over --draft-vocab's most frequent ids."""
     import subprocess
     import sys
 
@@ -319,9 +370,15 @@ def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, t
     command = [sys.executable, "tools/train_dflash.py", str(target.path), str(out), "--steps", "60", "--block", "4"]
     command += ["--seq-len", "40", "--prompt-len", "16", "--regenerate", "12", "--anchors", "8", "--batch", "4"]
     command += ["--lr", "3e-3", "--data", str(tmp_path / "data.txt"), "--prompts", "0", "--work", str(work)]
+    command += ["--draft-vocab", str(draft_vocab)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     sequences = torch.load(work / "greedy.pt")
+    drafter = load_dflash(out, target.model)
+    if draft_vocab:  # the most frequent ids of the sequences
+        counts = torch.bincount(sequences.flatten(), minlength=target.model.config.vocab_size)
+        assert drafter.config.draft_vocab_size == draft_vocab
+        assert counts[drafter.draft_to_target()].min() >= counts.sort(descending=True).values[draft_vocab - 1]
     assert sequences.shape == (12, 40)
     prompts = sequences[:, :16].tolist()
     continuations = generate(target, prompts, SamplingParams(max_tokens=24, ignore_eos=True))

@@ -2,7 +2,8 @@
 
     python tools/train_dflash.py TARGET OUT [--steps 1500] [--block 8] [--layers 2] [--taps 2]
         [--batch 4] [--seq-len 256] [--anchors 32] [--lr 6e-4] [--gamma 4] [--work DIR] [--seed 0]
-        [--regenerate N [--prompt-len 96]] [--init DRAFTER] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
+        [--regenerate N [--prompt-len 96]] [--init DRAFTER] [--draft-vocab N] [--data FILE_OR_DIR ...]
+        [--held-out FILE_OR_DIR ...]
 
 The published recipe, small: each training sequence gets random anchor positions, each starting a
 block [token at the anchor, mask x (B-1)] whose queries see the context before the anchor (the
@@ -19,7 +20,9 @@ than reading them back from disk.
 Data: without --data, the standard library's .py files outside test folders (what the default
 models were trained on); held out, its test files. Resumable: a checkpoint in --work every 100
 steps, and the regenerated sequences chunk by chunk, picked up by the same command. --init starts
-from a drafter of the same shape. At the end, the drafter serves --prompts code prompts cut from
+from a drafter of the same shape (over the whole vocabulary, or --draft-vocab's). --draft-vocab N
+gives the drafter a vocabulary of its own, the N ids most frequent in the training sequences (the
+target's LM head rows of those ids: a cheaper head; a label outside it counts for nothing). At the end, the drafter serves --prompts code prompts cut from
 the held-out files (the standard library's tests, or those of --held-out) at k = B - 1 in the
 engine, greedy, batch 1, and the drafts kept per block position are written to
 OUT/training_report.json.
@@ -91,6 +94,11 @@ def training_data(args: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, l
     return target, data, held_files
 
 
+def frequent_tokens(tokens: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` ids most frequent in `tokens`, ascending."""
+    return torch.bincount(tokens.flatten(), minlength=count).topk(count).indices.sort().values
+
+
 def training_batch(
     args: argparse.Namespace, data: torch.Tensor, sequences: torch.Tensor | None, rng: random.Random
 ) -> torch.Tensor:
@@ -118,6 +126,7 @@ def draft_config(target: Transformer, args: argparse.Namespace) -> DFlashConfig:
         mask_token_id=args.mask_token if args.mask_token is not None else tc.vocab_size - 1,
         rms_norm_eps=tc.rms_norm_eps,
         target=args.target.name,
+        draft_vocab_size=args.draft_vocab,
     )
 
 
@@ -156,15 +165,18 @@ def block_loss(
     mask = torch.cat((sees_context.repeat_interleave(size, dim=1), sees_block.expand(batch, -1, -1)), dim=2)[
         :, None
     ]  # [N, 1, A*S, T + A*S]
-    logits = draft(block, block_positions, context_k, context_v, mask, target).float()  # [N, A*S, V]
+    logits = draft(block, block_positions, context_k, context_v, mask, target).float()  # [N, A*S, draft vocab]
     log_q = F.log_softmax(logits, dim=-1)
-    if greedy_labels:  # position j of a block predicts the token at a + j
-        loss = -log_q.gather(-1, tokens.gather(1, block_positions)[..., None])[..., 0]
-    else:  # the target's distribution at a + j - 1, less its entropy (which no drafter goes below)
+    ids = draft.draft_to_target()
+    if greedy_labels:  # position j of a block predicts the token at a + j; one outside the draft vocabulary, nothing
+        draft_id = torch.full((config.vocab_size,), -1, dtype=torch.long).index_copy(0, ids, torch.arange(len(ids)))
+        labels = draft_id[tokens.gather(1, block_positions)]
+        loss = -log_q.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * (labels >= 0)
+    else:  # the target's distribution at a + j - 1 over the draft vocabulary, less its entropy
         assert target_logits is not None
         labels = F.softmax(target_logits.float(), dim=-1)[
             torch.arange(batch)[:, None], (block_positions - 1).clamp(min=0)
-        ]  # [N, A*S, V]
+        ][..., ids]  # [N, A*S, draft vocab]
         loss = (labels * (labels.clamp_min(1e-12).log() - log_q)).sum(-1)
     per_position = loss.view(batch, anchors, size)[:, :, 1:]
     weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / gamma)
@@ -260,6 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--init", type=Path, default=None, help="start from this drafter's weights (same shape)")
     parser.add_argument("--mask-token", type=int, default=None, help="default: the last id of the vocabulary")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="draft only the N ids most frequent in the training sequences (0: the whole vocabulary)",
+    )
     parser.add_argument("--data", type=Path, nargs="*", default=None)
     parser.add_argument("--held-out", type=Path, nargs="*", default=None)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts served at the end (0: none)")
@@ -271,10 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     target, data, held_files = training_data(args)
     model = target.model
     draft = DFlashModel(draft_config(model, args))
-    if args.init is not None:
-        draft.load_state_dict(load_dflash(args.init, model).state_dict())
     work = args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    sequences = None
     if args.regenerate:
         if not 0 < args.prompt_len < args.seq_len - args.block:
             raise SystemExit(f"--prompt-len must be between 1 and --seq-len - --block ({args.seq_len - args.block})")
@@ -287,6 +304,15 @@ def main(argv: list[str] | None = None) -> None:
             work / "greedy.pt",
             args.seed,
         )
+    reduced = draft.config.draft_vocab_size < model.config.vocab_size
+    if reduced:
+        ids = frequent_tokens(sequences if sequences is not None else data, draft.config.draft_vocab_size)
+        draft.d2t.copy_(ids - torch.arange(len(ids)))
+    if args.init is not None:
+        start = load_dflash(args.init, model).state_dict()
+        if reduced:
+            start.setdefault("d2t", draft.d2t)  # a drafter over the whole vocabulary keeps its weights
+        draft.load_state_dict(start)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
     step, losses = 0, []
@@ -301,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     draft.train()
     while step < args.steps:
-        tokens = training_batch(args, data, sequences if args.regenerate else None, rng)
+        tokens = training_batch(args, data, sequences, rng)
         # With --regenerate, blocks start at the last prompt token or after: their labels are the target's.
         first_anchor = args.prompt_len - 1 if args.regenerate else 1
         for group in optimizer.param_groups:
@@ -336,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         "gamma": args.gamma,
         "training_tokens": len(data),
         "regenerated_sequences": args.regenerate,
+        "draft_vocab": draft.config.draft_vocab_size,
         "prompt_len": args.prompt_len if args.regenerate else None,
         "init": str(args.init) if args.init else None,
         "first_loss": losses[0] if losses else None,

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_dflash import (  # noqa: E402  (tools/, beside this script)
+    frequent_tokens,
     greedy_continuations,
     held_out_acceptance,
     lr_at,
@@ -54,11 +55,6 @@ from engine.checkpoint import load_checkpoint  # noqa: E402
 from engine.config import Eagle3Config, RopeConfig, eagle3_taps  # noqa: E402
 from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3  # noqa: E402
 from engine.model import Transformer  # noqa: E402
-
-
-def frequent_tokens(tokens: Tensor, count: int) -> Tensor:
-    """The `count` ids most frequent in `tokens`, ascending."""
-    return torch.bincount(tokens.flatten(), minlength=count).topk(count).indices.sort().values
 
 
 def head_config(target: Transformer, args: argparse.Namespace) -> Eagle3Config:
