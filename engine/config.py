@@ -205,20 +205,29 @@ class DFlashConfig:
     # Ids its drafts are chosen from: the target's most frequent (the model's d2t maps them), or
     # 0 for the whole vocabulary. The LM head over a block's drafts is most of a draft's cost.
     draft_vocab_size: int = 0
+    # Trained on blocks of every length from 2 to block_size too: a draft of k runs a block of
+    # k + 1 (the block's forward is most of a round's drafting, and a shorter one costs less).
+    # One trained on whole blocks only drafts worse from a shorter one.
+    short_blocks: bool = False
 
     def __post_init__(self) -> None:
         if not self.draft_vocab_size:
             object.__setattr__(self, "draft_vocab_size", self.vocab_size)
 
     def to_json(self) -> dict:
-        shape = {k: v for k, v in asdict(self).items() if k not in ("target_layer_ids", "mask_token_id", "num_layers")}
+        dflash_keys = ("target_layer_ids", "mask_token_id", "short_blocks")
+        shape = {k: v for k, v in asdict(self).items() if k not in (*dflash_keys, "num_layers")}
         return {
             "architectures": ["DFlashDraftModel"],
             **shape,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+            "dflash_config": {
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+                **({"short_blocks": True} if self.short_blocks else {}),
+            },
         }
 
     @classmethod
@@ -240,6 +249,7 @@ class DFlashConfig:
                 rope_theta=float(raw.get("rope_theta", 10000.0)),
                 target=str(raw.get("target", "")),
                 draft_vocab_size=int(raw.get("draft_vocab_size") or 0),
+                short_blocks=dflash.get("short_blocks") is True,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None

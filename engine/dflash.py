@@ -269,12 +269,14 @@ class DFlashDrafter:
         rows = [i for i, k in enumerate(ks) if k > 0]
         if not rows:
             return proposals
-        size = self.config.block_size
+        drafts = min(max(ks[i] for i in rows), self.max_k)
+        # A drafter trained on shorter blocks runs one of k + 1; captured graphs take whole blocks.
+        size = drafts + 1 if self.config.short_blocks and self.graphs is None else self.config.block_size
         device = self.model.fc.weight.device
         slots = [seqs[i].draft_slot for i in rows]
         block = torch.full((len(rows), size), self.config.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = torch.tensor([seqs[i].tokens[-1] for i in rows], device=device)
-        logits = self.block_logits(slots, block, min(max(ks[i] for i in rows), self.max_k))
+        logits = self.block_logits(slots, block, drafts)
         for row, i in enumerate(rows):
             seq, k = seqs[i], min(ks[i], self.max_k)
             drafted = logits[row, :k]
@@ -289,10 +291,10 @@ class DFlashDrafter:
     @torch.inference_mode()
     def block_logits(self, slots: list[int], block: Tensor, drafts: int) -> Tensor:
         """Logits [rows, drafts, draft vocab] of block positions 1..drafts, each row's block
-        ([rows, B] token ids) after the context of its cache slot."""
+        ([rows, width] token ids: a whole block, or a shorter one) after the context of its cache slot."""
         if self.native is not None:
             return self.native.block(self.cache, slots, block, drafts)
-        size, device = self.config.block_size, block.device
+        size, device = block.shape[1], block.device
         if self.graphs is not None:
             where = torch.tensor([[self.cache.lengths[s] for s in slots], slots], dtype=torch.long, device=device).T
             out = self.graphs.run(torch.cat((block, where), dim=1))

@@ -28,7 +28,9 @@ from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginal
 BLOCK = 6
 
 
-def dflash_for(target, block_size: int = BLOCK, seed: int = 0, draft_vocab: int = 0) -> DFlashModel:
+def dflash_for(
+    target, block_size: int = BLOCK, seed: int = 0, draft_vocab: int = 0, short_blocks: bool = False
+) -> DFlashModel:
     """An untrained drafter shaped for `target`: its drafts are mostly wrong, which is what the
     losslessness tests need (every kind of rejection happens). With `draft_vocab`, it drafts
     only that many ids of the target's, drawn at random."""
@@ -45,6 +47,7 @@ def dflash_for(target, block_size: int = BLOCK, seed: int = 0, draft_vocab: int 
         target_layer_ids=default_taps(tc.num_layers, 2),
         mask_token_id=tc.vocab_size - 1,
         draft_vocab_size=draft_vocab,
+        short_blocks=short_blocks,
     )
     torch.manual_seed(seed)
     model = DFlashModel(config).eval().requires_grad_(False)
@@ -131,6 +134,35 @@ def test_a_drafter_with_its_own_vocabulary_drafts_only_its_ids_and_stays_lossles
     assert torch.allclose(reduced, whole[..., model.draft_to_target()], atol=1e-5)
 
 
+def block_widths(drafter: DFlashDrafter) -> dict[int, set[int]]:
+    """The widths of the blocks the drafter runs from now on, by the drafts asked of them."""
+    widths: dict[int, set[int]] = {}
+    block_logits = drafter.block_logits
+
+    def spy(slots, block, drafts):
+        widths.setdefault(drafts, set()).add(block.shape[1])
+        return block_logits(slots, block, drafts)
+
+    drafter.block_logits = spy  # type: ignore[method-assign]
+    return widths
+
+
+def test_a_drafter_trained_on_short_blocks_drafts_k_from_a_block_of_k_plus_1(pair):
+    """Such a drafter's block is as long as the round's longest chain needs (k + 1 positions, not
+    the whole block), and the output stays target-only's with k changed at random every round."""
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    widths = {}
+    for short_blocks in (True, False):
+        drafter = DFlashDrafter(dflash_for(target.model, short_blocks=short_blocks), target.model, 4, MAX_SEQ_LEN)
+        widths[short_blocks] = block_widths(drafter)
+        engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
+        assert serve_switching(engine, params, seed=2) == expected
+    assert widths[True] == {1: {2}, 2: {3}, 3: {4}, 5: {6}}
+    assert widths[False] == {1: {BLOCK}, 2: {BLOCK}, 3: {BLOCK}, 5: {BLOCK}}  # trained on whole blocks only
+
+
 def test_lookups_in_front_of_dflash_stay_lossless_and_spare_its_forwards(pair):
     """hybrid_dflash: lookups propose where the context has seen the last tokens, the block
     drafter elsewhere; k changed at random every round, output equal to target-only."""
@@ -212,6 +244,10 @@ def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path,
     expected = reference.block_logits([t.draft_slot for t in rows_ref], block, BLOCK - 1)
     assert logits.shape == (2, BLOCK - 1, draft_vocab or target.model.config.vocab_size)
     assert torch.allclose(logits, expected, atol=1e-4)
+    short = block[:, :3].contiguous()  # a block of 3 (what a drafter trained on short blocks runs at k = 2)
+    logits = compiled.block_logits([t.draft_slot for t in rows], short, 2)
+    assert torch.allclose(logits, reference.block_logits([t.draft_slot for t in rows_ref], short, 2), atol=1e-4)
+    assert not torch.allclose(logits, expected[:, :2], atol=1e-4)  # the block's later positions are seen
 
 
 def test_tapped_hidden_states_are_the_layer_outputs_of_the_full_forward(pair):
@@ -277,11 +313,13 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "not a DFlash config" in broken("plain", lambda c: c.pop("dflash_config"))
     assert "draft vocabulary of 100000" in broken("draft vocab", lambda c: c.update(draft_vocab_size=100000))
 
-    small = dflash_for(target.model, draft_vocab=30)
+    small = dflash_for(target.model, draft_vocab=30, short_blocks=True)
     save_dflash(small, tmp_path / "small")
-    assert json.loads((tmp_path / "small" / "config.json").read_text())["draft_vocab_size"] == 30
+    raw_small = json.loads((tmp_path / "small" / "config.json").read_text())
+    assert raw_small["draft_vocab_size"] == 30 and raw_small["dflash_config"]["short_blocks"] is True
     loaded = load_dflash(tmp_path / "small", target.model)
-    assert torch.equal(loaded.draft_to_target(), small.draft_to_target())
+    assert torch.equal(loaded.draft_to_target(), small.draft_to_target()) and loaded.config.short_blocks
+    assert not load_dflash(tmp_path / "dflash", target.model).config.short_blocks
     small.d2t[-1] = target.model.config.vocab_size  # maps its last draft id past the vocabulary
     save_dflash(small, tmp_path / "bad map")
     with pytest.raises(CheckpointError, match="d2t maps draft ids outside the vocabulary"):
@@ -353,11 +391,11 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
 
 
-@pytest.mark.parametrize("draft_vocab", [0, 24])
-def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, tmp_path, draft_vocab):
+@pytest.mark.parametrize("draft_vocab, short_blocks", [(0, 0.0), (24, 0.5)])
+def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, tmp_path, draft_vocab, short_blocks):
     """With --regenerate the data is the target's own greedy output after training-text prompts
     (what a drafter meets when the target serves greedily), and the drafter learns it, over the
-    whole vocabulary or over --draft-vocab's most frequent ids."""
+    whole vocabulary or over --draft-vocab's most frequent ids, on whole blocks or on shorter ones too."""
     import subprocess
     import sys
 
@@ -370,11 +408,12 @@ def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, t
     command = [sys.executable, "tools/train_dflash.py", str(target.path), str(out), "--steps", "60", "--block", "4"]
     command += ["--seq-len", "40", "--prompt-len", "16", "--regenerate", "12", "--anchors", "8", "--batch", "4"]
     command += ["--lr", "3e-3", "--data", str(tmp_path / "data.txt"), "--prompts", "0", "--work", str(work)]
-    command += ["--draft-vocab", str(draft_vocab)]
+    command += ["--draft-vocab", str(draft_vocab), "--short-blocks", str(short_blocks)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     sequences = torch.load(work / "greedy.pt")
     drafter = load_dflash(out, target.model)
+    assert drafter.config.short_blocks == (short_blocks > 0)
     if draft_vocab:  # the most frequent ids of the sequences
         counts = torch.bincount(sequences.flatten(), minlength=target.model.config.vocab_size)
         assert drafter.config.draft_vocab_size == draft_vocab

@@ -2,8 +2,8 @@
 
     python tools/train_dflash.py TARGET OUT [--steps 1500] [--block 8] [--layers 2] [--taps 2]
         [--batch 4] [--seq-len 256] [--anchors 32] [--lr 6e-4] [--gamma 4] [--work DIR] [--seed 0]
-        [--regenerate N [--prompt-len 96]] [--init DRAFTER] [--draft-vocab N] [--data FILE_OR_DIR ...]
-        [--held-out FILE_OR_DIR ...]
+        [--regenerate N [--prompt-len 96]] [--init DRAFTER] [--draft-vocab N] [--short-blocks P]
+        [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
 
 The published recipe, small: each training sequence gets random anchor positions, each starting a
 block [token at the anchor, mask x (B-1)] whose queries see the context before the anchor (the
@@ -22,10 +22,12 @@ models were trained on); held out, its test files. Resumable: a checkpoint in --
 steps, and the regenerated sequences chunk by chunk, picked up by the same command. --init starts
 from a drafter of the same shape (over the whole vocabulary, or --draft-vocab's). --draft-vocab N
 gives the drafter a vocabulary of its own, the N ids most frequent in the training sequences (the
-target's LM head rows of those ids: a cheaper head; a label outside it counts for nothing). At the end, the drafter serves --prompts code prompts cut from
-the held-out files (the standard library's tests, or those of --held-out) at k = B - 1 in the
-engine, greedy, batch 1, and the drafts kept per block position are written to
-OUT/training_report.json.
+target's LM head rows of those ids: a cheaper head; a label outside it counts for nothing).
+--short-blocks P trains a share P of the steps on shorter blocks, so that the drafter serves a
+draft of k with a block of k + 1 positions rather than a whole one (cheaper at small k). At the
+end, the drafter serves --prompts code prompts cut from the held-out files (the standard
+library's tests, or those of --held-out) at k = B - 1 in the engine, greedy, batch 1, and the
+drafts kept per block position are written to OUT/training_report.json.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def draft_config(target: Transformer, args: argparse.Namespace) -> DFlashConfig:
         rms_norm_eps=tc.rms_norm_eps,
         target=args.target.name,
         draft_vocab_size=args.draft_vocab,
+        short_blocks=args.short_blocks > 0,
     )
 
 
@@ -139,13 +142,15 @@ def block_loss(
     rng: torch.Generator,
     first_anchor: int = 1,
     greedy_labels: bool = False,
+    size: int | None = None,
 ) -> torch.Tensor:
     """The weighted block loss of one batch of sequences [N, T], anchors drawn from
-    [first_anchor, T - B]. With `greedy_labels` the tokens after each anchor are the target's own
-    greedy choices and are the labels (cross-entropy); otherwise the labels are the target's
-    next-token distributions (KL divergence)."""
+    [first_anchor, T - B], in blocks of `size` positions (default: the drafter's block size).
+    With `greedy_labels` the tokens after each anchor are the target's own greedy choices and
+    are the labels (cross-entropy); otherwise the labels are the target's next-token
+    distributions (KL divergence)."""
     config = draft.config
-    size, (batch, length) = config.block_size, tokens.shape
+    size, (batch, length) = size or config.block_size, tokens.shape
     with torch.no_grad():
         target_logits, taps = target.train_layers(tokens, config.target_layer_ids, logits=not greedy_labels)
     features = draft.features([taps[i] for i in config.target_layer_ids])
@@ -273,6 +278,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init", type=Path, default=None, help="start from this drafter's weights (same shape)")
     parser.add_argument("--mask-token", type=int, default=None, help="default: the last id of the vocabulary")
     parser.add_argument(
+        "--short-blocks",
+        type=float,
+        default=0.0,
+        help="the share of steps whose blocks are shorter than --block (2 to --block - 1 positions, drawn "
+        "evenly); when above 0 the drafter serves a draft of k with a block of k + 1",
+    )
+    parser.add_argument(
         "--draft-vocab",
         type=int,
         default=0,
@@ -332,8 +344,10 @@ def main(argv: list[str] | None = None) -> None:
         first_anchor = args.prompt_len - 1 if args.regenerate else 1
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
+        short = args.block > 2 and rng.random() < args.short_blocks
+        size = rng.randint(2, args.block - 1) if short else args.block
         loss = block_loss(
-            draft, model, tokens, args.anchors, args.gamma, generator, first_anchor, greedy_labels=args.regenerate > 0
+            draft, model, tokens, args.anchors, args.gamma, generator, first_anchor, args.regenerate > 0, size
         )
         optimizer.zero_grad()
         loss.backward()
@@ -363,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         "training_tokens": len(data),
         "regenerated_sequences": args.regenerate,
         "draft_vocab": draft.config.draft_vocab_size,
+        "short_blocks": args.short_blocks,
         "prompt_len": args.prompt_len if args.regenerate else None,
         "init": str(args.init) if args.init else None,
         "first_loss": losses[0] if losses else None,
