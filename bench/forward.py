@@ -7,14 +7,16 @@ operators (float32), the compiled forward with float32 weights and with bfloat16
 to float32 as they are read: half the bytes to stream, the same float32 arithmetic); the three
 take turns shape by shape, repeat by repeat, so the machine's drift lands on all. Prints the
 median milliseconds of each and the compiled forwards' speed-ups over PyTorch operators; then a
-DFlash drafter's two calls a round (drafting a block, extending the context) and an EAGLE-3
-head's (a chain step, the draft-extend of a round's kept tokens), each beside the target on
-PyTorch operators and on the compiled kernels.
+DFlash drafter's two calls a round (drafting k = 2 and k = B - 1, each from a block as wide as
+the drafter runs it; extending the context) and an EAGLE-3 head's (a chain step, the draft-extend
+of a round's kept tokens), each beside the target on PyTorch operators and on the compiled
+kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -59,20 +61,23 @@ def time_forward(model: Transformer, rows: int, width: int, start: int, count: i
 
 
 @torch.inference_mode()
-def time_dflash(drafter: DFlashDrafter, served: Transformer, rows: int, kept: int, count: int) -> tuple[float, float]:
+def time_dflash(
+    drafter: DFlashDrafter, served: Transformer, rows: int, kept: int, count: int, k: int
+) -> tuple[float, float]:
     """Median ms of a DFlash drafter's two calls a round after 300 context tokens a row: drafting
-    every row's block (k = B - 1) and extending every row's context by `kept` tokens."""
+    k from every row's block (as wide as the drafter runs it for k) and extending every row's
+    context by `kept` tokens."""
     cache = served.new_cache(rows, 400)
     slots = [cache.allocate() for _ in range(rows)]
     context = [[(5 * p) % 97 + 1 for p in range(301)]] * rows
     taps = served(served.batch(cache, slots, context), cache, capture=drafter.capture_layers).hidden
     seqs = [Sequence(Request(tuple(c)), slot=s, generator=None, tokens=list(c)) for s, c in zip(slots, context)]
     drafter.admit(seqs, taps)
-    block = torch.full((rows, drafter.config.block_size), drafter.config.mask_token_id)
+    block = torch.full((rows, drafter.block_width(k)), drafter.config.mask_token_id)
     drafting, extending = [], []
     for _ in range(count + 1):
         began = time.perf_counter()
-        drafter.block_logits([s.draft_slot for s in seqs], block, drafter.max_k)
+        drafter.block_logits([s.draft_slot for s in seqs], block, k)
         drafting.append(time.perf_counter() - began)
         began = time.perf_counter()
         drafter.accept(seqs, [kept - 1] * rows, taps)
@@ -166,8 +171,12 @@ def main() -> None:
     pair = list(forwards.items())[:2]  # each drafter beside the target on PyTorch operators, and on the kernels
     if (Path(args.dflash) / "config.json").exists():
         drafters = {forward: DFlashDrafter(load_dflash(args.dflash, model), model, 4, 512) for forward, model in pair}
-        print(f"{args.dflash}: a block of {next(iter(drafters.values())).config.block_size}, 300 context tokens a row")
-        time_calls(drafters, forwards, time_dflash, ("dflash draft", "dflash context"), args.repeats)
+        drafter = next(iter(drafters.values()))
+        print(f"{args.dflash}: a block of {drafter.config.block_size}, 300 context tokens a row")
+        for k in sorted({2, drafter.max_k}):
+            width = drafter.block_width(k)
+            timer = functools.partial(time_dflash, k=k)
+            time_calls(drafters, forwards, timer, (f"dflash draft k={k} ({width})", "dflash context"), args.repeats)
     if (Path(args.eagle3) / "config.json").exists():
         heads = {forward: Eagle3Drafter(load_eagle3(args.eagle3, model), model, 4, 512) for forward, model in pair}
         print(f"{args.eagle3}: 300 context tokens a row")

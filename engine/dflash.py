@@ -270,8 +270,7 @@ class DFlashDrafter:
         if not rows:
             return proposals
         drafts = min(max(ks[i] for i in rows), self.max_k)
-        # A drafter trained on shorter blocks runs one of k + 1; captured graphs take whole blocks.
-        size = drafts + 1 if self.config.short_blocks and self.graphs is None else self.config.block_size
+        size = self.block_width(drafts)
         device = self.model.fc.weight.device
         slots = [seqs[i].draft_slot for i in rows]
         block = torch.full((len(rows), size), self.config.mask_token_id, dtype=torch.long, device=device)
@@ -287,6 +286,11 @@ class DFlashDrafter:
                 proposals[i].tokens = [sample(q[j], seq.generator) for j in range(k)]
                 proposals[i].probs = q
         return proposals
+
+    def block_width(self, drafts: int) -> int:
+        """Positions of the block that drafts `drafts`: k + 1 for a drafter trained on shorter
+        blocks too, else the whole block (as captured graphs always take it)."""
+        return drafts + 1 if self.config.short_blocks and self.graphs is None else self.config.block_size
 
     @torch.inference_mode()
     def block_logits(self, slots: list[int], block: Tensor, drafts: int) -> Tensor:
