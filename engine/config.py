@@ -203,7 +203,7 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     target: str = ""  # the name of the target it was trained for
     # Ids its drafts are chosen from: the target's most frequent (the model's d2t maps them), or
-    # 0 for the whole vocabulary. The LM head over a block's drafts is most of a draft's cost.
+    # 0 for the whole vocabulary. The LM head over a block's drafts is the larger part of its cost.
     draft_vocab_size: int = 0
     # Trained on blocks of every length from 2 to block_size too: a draft of k runs a block of
     # k + 1 (the block's forward is most of a round's drafting, and a shorter one costs less).

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.backend import Backend
-from engine.config import CheckpointError, DFlashConfig, RopeConfig, check_weights, inspect_dflash
+from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflash
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
@@ -176,10 +176,7 @@ def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
     weights = path / "model.safetensors"
     state = load_file(str(weights))
     check_weights(weights, state, model.state_dict())
-    if "d2t" in state:
-        ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
-        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
-            raise CheckpointError(f"{weights}: d2t maps draft ids outside the vocabulary (0..{config.vocab_size - 1})")
+    DraftVocabulary.check_map(weights, state, config.draft_vocab_size, config.vocab_size)
     model.load_state_dict(state)
     # On a CPU the drafter runs in float32 (PyTorch operators); elsewhere in the target's dtype.
     device = target.embed_tokens.weight.device

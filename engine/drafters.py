@@ -20,12 +20,14 @@ import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from engine.checkpoint import Checkpoint
+from engine.config import CheckpointError
 from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
 from engine.model import Transformer
@@ -51,6 +53,14 @@ class DraftVocabulary:
     def draft_to_target(self) -> Tensor:
         ids = torch.arange(self.config.draft_vocab_size, device=self.fc.weight.device)
         return ids + self.d2t if self.config.draft_vocab_size < self.config.vocab_size else ids
+
+    @staticmethod
+    def check_map(source: Path, state: dict[str, Tensor], draft_vocab_size: int, vocab_size: int) -> None:
+        """A checkpoint's d2t (in `state`, read from `source`): every draft id maps into the target's vocabulary."""
+        if "d2t" in state:
+            ids = torch.arange(draft_vocab_size) + state["d2t"].long()
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+                raise CheckpointError(f"{source}: d2t maps draft ids outside the vocabulary (0..{vocab_size - 1})")
 
     def full_vocabulary(self, logits: Tensor) -> Tensor:
         """Draft-vocabulary logits placed in the target's vocabulary, the ids outside at -inf."""

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.backend import Backend
-from engine.config import CheckpointError, Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
+from engine.config import Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
@@ -155,10 +155,7 @@ def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
     # The speculators layout names the one decoder layer layers.0, SpecForge midlayer.
     state = {(f"midlayer.{k[len('layers.0.') :]}" if k.startswith("layers.0.") else k): v for k, v in state.items()}
     check_weights(weights, state, model.state_dict())
-    if "d2t" in state:
-        ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
-        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
-            raise CheckpointError(f"{weights}: d2t maps draft ids outside the vocabulary (0..{config.vocab_size - 1})")
+    DraftVocabulary.check_map(weights, state, config.draft_vocab_size, config.vocab_size)
     model.load_state_dict(state)  # copied into the model's own buffers: the maps stay long and bool
     # On a CPU the head runs in float32; elsewhere in the target's dtype (`to` casts floats only).
     device = target.embed_tokens.weight.device
