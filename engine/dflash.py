@@ -131,11 +131,13 @@ class DFlashModel(DraftVocabulary, nn.Module):
         mask: Tensor,
         target: Transformer,
         drafts: int | None = None,
+        head: Tensor | None = None,
     ) -> Tensor:
         """Logits over the draft vocabulary of every block position [B, S, V], or of the first
         `drafts` after the first ([B, drafts, V]: the LM head need not run on the others). block: token ids [B, S];
         positions [B, S]; context_k/v: per layer [B, C, kv_heads, D]; mask: which keys (context,
-        then block) each block position sees, [B, 1, S, C + S]."""
+        then block) each block position sees, [B, 1, S, C + S]; head: `head(target)`, where the
+        caller keeps it rather than gathering those rows again each call."""
         x = target.embed_tokens(block).to(self.fc.weight.dtype)
         cos, sin = self.rope(positions)
         for layer, k, v in zip(self.layers, context_k, context_v):
@@ -144,7 +146,7 @@ class DFlashModel(DraftVocabulary, nn.Module):
             x = x[:, 1 : drafts + 1]
         x = self.norm(x).to(target.lm_head.weight.dtype)
         if self.config.draft_vocab_size < self.config.vocab_size:
-            return F.linear(x, self.head(target))
+            return F.linear(x, head if head is not None else self.head(target))
         if torch.is_grad_enabled():  # training: a CPU target's packed head (Linear.pack) has no backward
             return F.linear(x, target.lm_head.weight)
         return target.lm_head(x)
@@ -216,6 +218,9 @@ class DFlashDrafter:
         )
         self.max_k = self.config.block_size - 1
         self.draft_ids = model.draft_to_target()  # the target id of each draft-vocabulary logit
+        # The LM head rows of the draft vocabulary, gathered once (the kernels pack their own copy).
+        reduced = self.config.draft_vocab_size < self.config.vocab_size
+        self.head_rows = model.head(target) if reduced and self.native is None else None
         # Block graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: CallGraphs | None = None
 
@@ -307,7 +312,8 @@ class DFlashDrafter:
         index = torch.tensor(slots, device=device)
         context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
         context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
-        return self.model(block, positions, context_k, context_v, block_mask(lengths, width, size), self.target, drafts)
+        mask = block_mask(lengths, width, size)
+        return self.model(block, positions, context_k, context_v, mask, self.target, drafts, self.head_rows)
 
     def capture_graphs(self, backend: Backend, batch_sizes: Seq[int]) -> CallGraphs:
         """The block forward (`static_block`) captured for each batch size. A padding row is a
@@ -332,7 +338,7 @@ class DFlashDrafter:
         context_k = [cache.k[layer, slots] for layer in range(self.config.num_layers)]
         context_v = [cache.v[layer, slots] for layer in range(self.config.num_layers)]
         mask = block_mask(lengths, width, size)
-        return (self.model(block, positions, context_k, context_v, mask, self.target, size - 1),)
+        return (self.model(block, positions, context_k, context_v, mask, self.target, size - 1, self.head_rows),)
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:
