@@ -167,6 +167,8 @@ class Controller:
     def step(self) -> StepResult:
         """Run one round with the chosen state."""
         self.engine.select(self._k)
+        # A pinned, forced or static k verifies exactly k drafts; the policy's rounds may trim.
+        self.engine.draft_confidence = self.params.draft_confidence if self.mode_name == "adaptive" else 0.0
         started = time.perf_counter()
         result = self.engine.step()
         round_seconds = time.perf_counter() - started - result.prefill_seconds

@@ -131,6 +131,9 @@ class Engine:
             self.graph_runner = GraphRunner(self.model, self.cache, self.backend, sizes)
             if isinstance(drafter, DraftModelDrafter):
                 self.draft_graph_runner = GraphRunner(drafter.model, drafter.cache, self.backend, sizes)
+        # A draft is verified only while the drafter's running confidence in the round's drafts
+        # stays at least this (0: every draft); set by the controller while the policy adapts.
+        self.draft_confidence = 0.0
         self.round = 0
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
@@ -289,7 +292,11 @@ class Engine:
             return [Proposal([]) for _ in seqs]
         # Never draft past max_tokens: the target's own token always comes after the drafts.
         ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
-        return self.drafter.propose(seqs, ks)
+        proposals = self.drafter.propose(seqs, ks)
+        if self.draft_confidence > 0:
+            for proposal in proposals:
+                proposal.keep(proposal.confident_drafts(self.draft_confidence))
+        return proposals
 
     def verify(
         self, seqs: Seq[Sequence], proposals: Seq[Proposal], state: RuntimeState | None = None

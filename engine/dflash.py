@@ -278,15 +278,17 @@ class DFlashDrafter:
         block = torch.full((len(rows), size), self.config.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = torch.tensor([seqs[i].tokens[-1] for i in rows], device=device)
         logits = self.block_logits(slots, block, drafts)
+        # A greedy draft's confidence is its probability under the drafter.
+        top, choice = logits.softmax(dim=-1).max(dim=-1)
+        confidence, choice = top.tolist(), self.draft_ids[choice].tolist()
         for row, i in enumerate(rows):
             seq, k = seqs[i], min(ks[i], self.max_k)
-            drafted = logits[row, :k]
             if seq.params.greedy:
-                proposals[i].tokens = self.draft_ids[drafted.argmax(dim=-1)].tolist()
+                proposals[i] = Proposal(choice[row][:k], confidence=confidence[row][:k])
             else:
-                q = target_probs(self.model.full_vocabulary(drafted), seq.params)
-                proposals[i].tokens = [sample(q[j], seq.generator) for j in range(k)]
-                proposals[i].probs = q
+                q = target_probs(self.model.full_vocabulary(logits[row, :k]), seq.params)
+                tokens = [sample(q[j], seq.generator) for j in range(k)]
+                proposals[i] = Proposal(tokens, q, q.amax(dim=-1).tolist())
         return proposals
 
     def block_width(self, drafts: int) -> int:

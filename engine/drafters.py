@@ -39,6 +39,32 @@ from engine.sampling import sample, target_probs
 class Proposal:
     tokens: list[int]
     probs: Tensor | None = None  # [len(tokens), V] the drafter's distribution, or None if one-hot
+    # How sure the drafter is of each position, where it knows before the target looks (a drafter
+    # that drafts a whole block in one forward): its largest probability there, what a round may
+    # trim by. Never the probability of the sampled draft itself: a sampled draft dropped for its
+    # own value would bend the distribution the target's rejection rule corrects.
+    confidence: list[float] | None = None
+
+    def confident_drafts(self, floor: float) -> int:
+        """How many leading drafts keep the running product of their confidences at or above
+        `floor` (every draft where the drafter gave none)."""
+        if self.confidence is None or floor <= 0:
+            return len(self.tokens)
+        chance = 1.0
+        for j, c in enumerate(self.confidence):
+            chance *= c
+            if chance < floor:
+                return j
+        return len(self.tokens)
+
+    def keep(self, count: int) -> None:
+        """Only the first `count` drafts are verified. Lossless whatever the count, since it is
+        chosen before the target sees any of them."""
+        self.tokens = self.tokens[:count]
+        if self.probs is not None:
+            self.probs = self.probs[:count]
+        if self.confidence is not None:
+            self.confidence = self.confidence[:count]
 
 
 class DraftVocabulary:

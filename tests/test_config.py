@@ -269,6 +269,7 @@ colour = "blue"
 candidate_k = [1, 3, 3]
 static_k = 6
 ema_alpha = 2.0
+draft_confidence = 1.5
 
 [[adaptive.slots]]
 min_batch_size = 4
@@ -297,6 +298,7 @@ port = 70000
             "adaptive.candidate_k",
             "adaptive.static_k",
             "adaptive.ema_alpha",
+            "adaptive.draft_confidence",
             "adaptive.slots[0].candidate_k",
             "adaptive.slots[1].min_batch_size",
             "admin.mode",

@@ -4,6 +4,7 @@ the target, its checkpoint checked against the target."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from engine.dflash import (
     load_dflash,
     save_dflash,
 )
+from engine.drafters import Proposal
 from engine.generate import generate
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
@@ -132,6 +134,77 @@ def test_a_drafter_with_its_own_vocabulary_drafts_only_its_ids_and_stays_lossles
         reduced = model(block, positions, [empty] * 2, [empty] * 2, mask, target.model)
         whole = full(block, positions, [empty] * 2, [empty] * 2, mask, target.model)
     assert torch.allclose(reduced, whole[..., model.draft_to_target()], atol=1e-5)
+
+
+def test_a_confidence_floor_verifies_only_the_drafts_the_drafter_is_sure_of(pair):
+    """With engine.draft_confidence, a round verifies a row's drafts while the product of the
+    drafter's probabilities of them stays at or above the floor: unsure blocks verify fewer, the
+    output is target-only's all the same."""
+    target, _ = pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    engine = engine_for(target, 4, (5,), 5)
+    seen: list[tuple[list[float], int]] = []  # each row's confidences and the drafts it verified
+    propose = engine.drafter.propose
+
+    def recording(seqs, ks):
+        proposals = propose(seqs, ks)
+        seen.extend((list(p.confidence), len(p.tokens)) for p in proposals if p.confidence)
+        return proposals
+
+    engine.drafter.propose = recording
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    engine.run_until_done(requests)  # no floor: every row verifies its 5 drafts
+    assert seen and all(n == len(c) for c, n in seen) and max(n for _, n in seen) == 5
+    chances = sorted(c[0] * c[1] for c, _ in seen if len(c) >= 2)
+    floor = chances[len(chances) // 2]  # the median chance of the first two drafts
+
+    engine = engine_for(target, 4, (5,), 5)
+    engine.draft_confidence = floor
+    trimmed = Proposal([1, 2, 3, 4, 5], confidence=[0.9, 0.5, 0.9, 0.1, 0.9])
+    assert trimmed.confident_drafts(0.4) == 3 and trimmed.confident_drafts(0.5) == 1
+    drafted: list[tuple[Proposal, list[float]]] = []  # each proposal, and its confidences before the trim
+    propose = engine.drafter.propose
+
+    def recording_again(seqs, ks):
+        proposals = propose(seqs, ks)
+        drafted.extend((p, list(p.confidence or [])) for p in proposals)
+        return proposals
+
+    engine.drafter.propose = recording_again
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == expected
+    verified = engine.state.stats.proposed_at
+    assert verified[0] > verified[1] > 0, "some rounds verify fewer drafts, others more"
+    for proposal, confidence in drafted:
+        n = len(proposal.tokens)
+        chances = [math.prod(confidence[: j + 1]) for j in range(len(confidence))]
+        assert all(c >= floor for c in chances[:n]) and all(c < floor for c in chances[n : n + 1])
+
+
+def test_the_floor_applies_while_the_policy_adapts_never_to_a_pinned_k(pair):
+    from engine.controller import Controller, Pin, Unpin
+    from engine.policy import PolicyParams
+
+    target, _ = pair
+    params = PolicyParams(strategy="measured", candidate_k=(0, 2, 5), draft_confidence=0.5)
+    controller = Controller(engine_for(target, 4, (0, 2, 5)), params)
+    floors = []  # the floor each round ran with
+    step = controller.step
+
+    def recording():
+        result = step()
+        floors.append(controller.engine.draft_confidence)
+        return result
+
+    controller.step = recording
+    controller.apply(Pin(5))
+    assert_serves_losslessly(controller, target)
+    controller.apply(Unpin())
+    assert_serves_losslessly(controller, target)
+    pinned = floors[: floors.index(0.5)]
+    assert pinned and set(pinned) == {0.0} and set(floors[len(pinned) :]) == {0.5}
 
 
 def block_widths(drafter: DFlashDrafter) -> dict[int, set[int]]:
@@ -265,8 +338,10 @@ def test_tapped_hidden_states_are_the_layer_outputs_of_the_full_forward(pair):
     assert torch.allclose(hidden[0][0, : len(tokens)], states[1][0], atol=1e-4)
 
 
-@pytest.mark.parametrize("verification, draft_vocab", [("block", 0), ("token", 0), ("block", 5)])
-def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification, draft_vocab):
+@pytest.mark.parametrize(
+    "verification, draft_vocab, floor", [("block", 0, 0.0), ("token", 0, 0.0), ("block", 5, 0.0), ("block", 0, 0.1)]
+)
+def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification, draft_vocab, floor):
     target, _ = tiny_vocab_pair
     prompt = tuple(range(8)) * 2
     base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
@@ -275,12 +350,16 @@ def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification, d
     model = dflash_for(target.model, block_size=4, draft_vocab=draft_vocab)
     drafter = DFlashDrafter(model, target.model, 16, 32)
     engine = Engine(target, drafter, 16, 32, [2], verification=verification)
+    engine.draft_confidence = floor  # a trimmed round stays exact: its length is chosen before the target looks
     requests = [
         Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
         for s in range(1500)
     ]
     outputs = engine.run_until_done(requests)
     assert engine.state.stats.drafts_proposed > 0
+    if floor:
+        drafted = engine.state.stats.proposed_at
+        assert 0 < drafted[1] < 0.9 * drafted[0], "the floor trims some rounds' second draft, not all"
     assert_follows_marginals(outputs, requests, marginals)
 
 

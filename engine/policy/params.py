@@ -35,6 +35,9 @@ class PolicyParams:
     switch_margin: float = 0.05
     # measured: the share of serving time that tries of another k may lose.
     exploration: float = 0.02
+    # Where the drafter knows its drafts' probabilities before the target looks (dflash), a round
+    # verifies a draft only while their running product stays at least this: 0 verifies all k.
+    draft_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -64,6 +67,8 @@ class PolicyParams:
             out.append(f"probe_interval must be >= 1, got {self.probe_interval}")
         if not 0 < self.exploration <= 1:
             out.append(f"exploration must be in (0, 1], got {self.exploration}")
+        if not 0 <= self.draft_confidence <= 1:
+            out.append(f"draft_confidence must be in [0, 1], got {self.draft_confidence}")
         if self.switch_margin < 0:
             out.append(f"switch_margin must be >= 0, got {self.switch_margin}")
         sizes = [s.min_batch_size for s in self.slots]
