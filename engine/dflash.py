@@ -165,10 +165,13 @@ def block_mask(context_len: Tensor, width: int, size: int) -> Tensor:
     return torch.cat((visible, whole), dim=1)[:, None, None, :].expand(batch, 1, size, width + size)
 
 
-def save_dflash(model: DFlashModel, path: Path) -> None:
+def save_dflash(model: DFlashModel, path: Path, dtype: torch.dtype | None = None) -> None:
+    """config.json and model.safetensors in `path`; the weights in `dtype` where given (the loader
+    casts them to the dtype the drafter runs in)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    state = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in model.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
 
 
 def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:

@@ -470,6 +470,52 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
 
 
+def test_a_drafter_deepened_by_the_training_script_starts_by_drafting_what_it_deepened(pair, tmp_path):
+    """--init with a shallower drafter and more --layers: the added layer starts as the identity,
+    so before any step the deeper drafter's logits are the shallower one's; --save-dtype bfloat16
+    writes half the bytes, and the loader runs them in float32."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    from tests.conftest import ROOT
+
+    target, _ = pair
+    (tmp_path / "data.txt").write_text(" ".join(f"w{i % 37}" for i in range(400)))
+    command = [sys.executable, "tools/train_dflash.py", str(target.path), str(tmp_path / "shallow"), "--steps", "0"]
+    command += ["--block", "4", "--seq-len", "48", "--data", str(tmp_path / "data.txt"), "--prompts", "0"]
+    command += ["--work", str(tmp_path / "work"), "--save-dtype", "bfloat16"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)  # 2 layers, at random
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "deep"
+    command[3] = str(out)
+    command += ["--layers", "3", "--init", str(tmp_path / "shallow")]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert weights.get_tensor("layers.2.q_proj.weight").dtype == torch.bfloat16
+    deep, before = load_dflash(out, target.model), load_dflash(tmp_path / "shallow", target.model)
+    assert deep.config.num_layers == 3 and deep.fc.weight.dtype == torch.float32
+    outputs = []
+    for model in (before, deep):
+        drafter = DFlashDrafter(model, target.model, 1, MAX_SEQ_LEN)
+        seq = Sequence(Request(tuple(PROMPTS[0])), slot=0, generator=None, tokens=list(PROMPTS[0]))
+        cache = target.model.new_cache(1, MAX_SEQ_LEN)
+        batch = target.model.batch(cache, [cache.allocate()], [PROMPTS[0][:-1]])
+        drafter.admit([seq], target.model(batch, cache, capture=drafter.capture_layers).hidden)
+        block = torch.full((1, 4), model.config.mask_token_id)
+        block[0, 0] = seq.tokens[-1]
+        outputs.append(drafter.block_logits([seq.draft_slot], block, 3))
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5)
+
+    command[command.index("--init") + 1] = str(out)  # deeper than --layers: refused, by name
+    command[command.index("--layers") + 1] = "2"
+    command[3] = str(tmp_path / "again")
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "--init has weights this drafter lacks: ['layers.2." in refused.stderr
+
+
 @pytest.mark.parametrize("draft_vocab, short_blocks", [(0, 0.0), (24, 0.5)])
 def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, tmp_path, draft_vocab, short_blocks):
     """With --regenerate the data is the target's own greedy output after training-text prompts

@@ -3,7 +3,7 @@
     python tools/train_dflash.py TARGET OUT [--steps 1500] [--block 8] [--layers 2] [--taps 2]
         [--batch 4] [--seq-len 256] [--anchors 32] [--lr 6e-4] [--gamma 4] [--work DIR] [--seed 0]
         [--regenerate N [--prompt-len 96]] [--init DRAFTER] [--draft-vocab N] [--short-blocks P]
-        [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
+        [--save-dtype float32|bfloat16] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
 
 The published recipe, small: each training sequence gets random anchor positions, each starting a
 block [token at the anchor, mask x (B-1)] whose queries see the context before the anchor (the
@@ -20,7 +20,8 @@ than reading them back from disk.
 Data: without --data, the standard library's .py files outside test folders (what the default
 models were trained on); held out, its test files. Resumable: a checkpoint in --work every 100
 steps, and the regenerated sequences chunk by chunk, picked up by the same command. --init starts
-from a drafter of the same shape (over the whole vocabulary, or --draft-vocab's). --draft-vocab N
+from a drafter of the same shape (over the whole vocabulary, or --draft-vocab's), or a shallower
+one: each layer --layers adds starts as the identity, after the others. --draft-vocab N
 gives the drafter a vocabulary of its own, the N ids most frequent in the training sequences (the
 target's LM head rows of those ids: a cheaper head; a label outside it counts for nothing).
 --short-blocks P trains a share P of the steps on shorter blocks, so that the drafter serves a
@@ -254,6 +255,27 @@ def held_out_acceptance(target: Checkpoint, drafter: Drafter, k: int, prompts: l
     }
 
 
+def deepened(start: dict[str, torch.Tensor], draft: DFlashModel) -> dict[str, torch.Tensor]:
+    """`start`, a drafter's weights, for `draft`, which may have more layers: each added layer
+    comes after the others and starts as the identity (its attention and MLP outputs zeroed), so
+    the deeper drafter begins by drafting exactly what `start` drafts."""
+    state = draft.state_dict()
+    unknown = sorted(set(start) - set(state))
+    if unknown:
+        raise SystemExit(f"--init has weights this drafter lacks: {unknown[:3]}")
+    added = {name.split(".")[1] for name in state if name.startswith("layers.") and name not in start}
+    for name, tensor in state.items():
+        if name in start and start[name].shape != tensor.shape:
+            raise SystemExit(f"--init's {name} has shape {tuple(start[name].shape)}, expected {tuple(tensor.shape)}")
+        if name in start:
+            tensor.copy_(start[name])
+        elif name.startswith("layers.") and name.split(".")[2] in ("o_proj", "down_proj"):
+            tensor.zero_()
+        elif not name.startswith("layers.") or name.split(".")[1] not in added:
+            raise SystemExit(f"--init lacks {name}")
+    return state
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", type=Path)
@@ -275,7 +297,15 @@ def main(argv: list[str] | None = None) -> None:
         "to --seq-len (0: on the data as it is)",
     )
     parser.add_argument("--prompt-len", type=int, default=96)
-    parser.add_argument("--init", type=Path, default=None, help="start from this drafter's weights (same shape)")
+    parser.add_argument(
+        "--init", type=Path, default=None, help="start from this drafter's weights (the same shape, or fewer layers)"
+    )
+    parser.add_argument(
+        "--save-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the dtype of the saved weights (bfloat16: half the bytes; the loader casts them back)",
+    )
     parser.add_argument("--mask-token", type=int, default=None, help="default: the last id of the vocabulary")
     parser.add_argument(
         "--short-blocks",
@@ -324,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         start = load_dflash(args.init, model).state_dict()
         if reduced:
             start.setdefault("d2t", draft.d2t)  # a drafter over the whole vocabulary keeps its weights
-        draft.load_state_dict(start)
+        draft.load_state_dict(deepened(start, draft))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
     step, losses = 0, []
@@ -365,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
                 resume,
             )
     draft.eval().requires_grad_(False)
-    save_dflash(draft, args.out)
+    save_dflash(draft, args.out, getattr(torch, args.save_dtype))
     report: dict = {
         "target": str(args.target),
         "steps": args.steps,
