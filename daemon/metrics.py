@@ -2,7 +2,8 @@
 
 Each number is taken where it is cheapest to get right:
 - HTTP requests and their latency: an ASGI middleware; time to first token: the server;
-- tokens, rounds, accepted drafts and acceptance by draft position: each StepResult, and k
+- tokens, rounds, accepted drafts, acceptance by draft position and drafts the confidence floor
+  left unverified: each StepResult, and k
   switches by reason: the controller, both on the engine thread (prometheus_client's metrics are
   thread-safe, and a handful of increments per round cost microseconds);
 - what is state rather than events (current k, in-flight requests, config generation, reload
@@ -72,6 +73,11 @@ class Metrics:
             ["position"],
             registry=registry,
         )
+        self.trimmed = Counter(
+            "adaspec_trimmed_drafts",
+            "Drafts left unverified because the drafter was unsure of them (adaptive.draft_confidence)",
+            registry=registry,
+        )
         self.switches = Counter("adaspec_switches", "Step-count switches, by reason", ["reason"], registry=registry)
 
     def watch(self, loop: EngineLoop, reloader: Reloader) -> None:
@@ -89,6 +95,8 @@ class Metrics:
             self.tokens.inc(tokens)
         if result.batch_size:
             self.rounds.labels(str(result.k)).inc()
+        if result.drafts_trimmed:
+            self.trimmed.inc(result.drafts_trimmed)
         # Drafts are kept as a prefix: a sequence that proposed p and kept a covers positions
         # 1..p proposed and 1..a accepted. Summed per position first: one increment each.
         proposed = [0] * (result.k + 1)

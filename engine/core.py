@@ -85,6 +85,7 @@ class StepResult:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    drafts_trimmed: int = 0  # drafts left unverified because the drafter was unsure of them
 
 
 def rows(hidden: dict[int, Tensor], keep: list[int]) -> dict[int, Tensor]:
@@ -264,6 +265,11 @@ class Engine:
     def _round(self, state: RuntimeState, seqs: list[Sequence], outputs: dict, result: StepResult) -> None:
         started = time.perf_counter()
         proposals = self.draft(state, seqs)
+        if self.draft_confidence > 0:
+            for proposal in proposals:
+                drafts = len(proposal.tokens)
+                proposal.keep(proposal.confident_drafts(self.draft_confidence))
+                result.drafts_trimmed += drafts - len(proposal.tokens)
         drafted = time.perf_counter()
         emitted, hidden = self.verify(seqs, proposals, state)
         verified = time.perf_counter()
@@ -292,11 +298,7 @@ class Engine:
             return [Proposal([]) for _ in seqs]
         # Never draft past max_tokens: the target's own token always comes after the drafts.
         ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
-        proposals = self.drafter.propose(seqs, ks)
-        if self.draft_confidence > 0:
-            for proposal in proposals:
-                proposal.keep(proposal.confident_drafts(self.draft_confidence))
-        return proposals
+        return self.drafter.propose(seqs, ks)
 
     def verify(
         self, seqs: Seq[Sequence], proposals: Seq[Proposal], state: RuntimeState | None = None

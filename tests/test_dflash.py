@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from daemon.metrics import Metrics
 from engine.config import CheckpointError
 from engine.core import Engine
 from engine.dflash import (
@@ -173,7 +174,15 @@ def test_a_confidence_floor_verifies_only_the_drafts_the_drafter_is_sure_of(pair
 
     engine.drafter.propose = recording_again
     requests = [Request(tuple(p), params) for p in PROMPTS]
-    outputs = engine.run_until_done(requests)
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+    metrics = Metrics(max_k=5)
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work:
+        result = engine.step()
+        metrics.observe_step(result)
+        for out in result.outputs:
+            outputs[out.request_id].extend(out.new_tokens)
     assert [outputs[r.id] for r in requests] == expected
     verified = engine.state.stats.proposed_at
     assert verified[0] > verified[1] > 0, "some rounds verify fewer drafts, others more"
@@ -181,6 +190,8 @@ def test_a_confidence_floor_verifies_only_the_drafts_the_drafter_is_sure_of(pair
         n = len(proposal.tokens)
         chances = [math.prod(confidence[: j + 1]) for j in range(len(confidence))]
         assert all(c >= floor for c in chances[:n]) and all(c < floor for c in chances[n : n + 1])
+    trimmed = sum(len(confidence) - len(proposal.tokens) for proposal, confidence in drafted)
+    assert trimmed > 0 and f"adaspec_trimmed_drafts_total {trimmed}.0" in metrics.exposition().decode()
 
 
 def test_the_floor_applies_while_the_policy_adapts_never_to_a_pinned_k(pair):

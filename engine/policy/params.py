@@ -37,7 +37,8 @@ class PolicyParams:
     exploration: float = 0.02
     # Where the drafter knows its drafts' probabilities before the target looks (dflash), a round
     # verifies a draft only while their running product stays at least this: 0 verifies all k.
-    draft_confidence: float = 0.0
+    # 0.1 was chosen on the tuning half of code-greedy (docs/benchmarks.md).
+    draft_confidence: float = 0.1
 
     def __post_init__(self) -> None:
         problems = self.problems()
