@@ -263,16 +263,18 @@ def deepened(start: dict[str, torch.Tensor], draft: DFlashModel) -> dict[str, to
     unknown = sorted(set(start) - set(state))
     if unknown:
         raise SystemExit(f"--init has weights this drafter lacks: {unknown[:3]}")
-    added = {name.split(".")[1] for name in state if name.startswith("layers.") and name not in start}
+    depth = len({name.split(".")[1] for name in start if name.startswith("layers.")})
     for name, tensor in state.items():
-        if name in start and start[name].shape != tensor.shape:
-            raise SystemExit(f"--init's {name} has shape {tuple(start[name].shape)}, expected {tuple(tensor.shape)}")
+        parts = name.split(".")
         if name in start:
+            if start[name].shape != tensor.shape:
+                shapes = f"{tuple(start[name].shape)}, expected {tuple(tensor.shape)}"
+                raise SystemExit(f"--init's {name} has shape {shapes}")
             tensor.copy_(start[name])
-        elif name.startswith("layers.") and name.split(".")[2] in ("o_proj", "down_proj"):
-            tensor.zero_()
-        elif not name.startswith("layers.") or name.split(".")[1] not in added:
+        elif parts[0] != "layers" or int(parts[1]) < depth:
             raise SystemExit(f"--init lacks {name}")
+        elif parts[2] in ("o_proj", "down_proj"):
+            tensor.zero_()
     return state
 
 
