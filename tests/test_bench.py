@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import pytest
+
+from bench.ceiling import main as ceiling_main
 from bench.spec import main as spec_main
+from engine.checkpoint import load_checkpoint
+from engine.generate import generate
+from engine.sampling import SamplingParams
 from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model
 
 
@@ -127,3 +134,36 @@ def test_bench_spec_without_a_config_runs_what_the_daemon_runs():
     assert bench.engine.drafter.name == shipped.engine.drafter
     assert (bench.engine.verification, bench.engine.max_k) == (daemon.engine.verification, daemon.engine.max_k)
     assert type(bench.engine.drafter.model) is type(daemon.engine.drafter.model)  # int8 or not, alike
+
+
+def test_the_ceiling_keeps_every_draft_of_the_oracle_and_emits_the_target_only_output(tmp_path, capsys):
+    lines = [{"prompt": "w3 w4 w5 w3 w4", "max_tokens": 25}, {"prompt": "w9 w8", "max_tokens": 17}]
+    target, draft, workload = tiny_setup(tmp_path, lines, draft_scale=0.2)
+    out = tmp_path / "out.json"
+    ceiling_main(
+        ["--workload", str(workload), "--modes", "none,static:3", "--ks", "3", "--repeats", "1"]
+        + ["--target", str(target), "--draft", str(draft), "--max-seq-len", "64", "--json", str(out)]
+    )
+    report = json.loads(out.read_text())["modes"]
+    assert report["oracle:3"]["tokens"] == report["none"]["tokens"]
+    # Every round but a request's first token (from its prefill) emits k + 1 tokens, fewer only
+    # where max_tokens cuts the last round short.
+    checkpoint = load_checkpoint(target)
+    lengths = [
+        len(c.tokens)
+        for c in (
+            generate(
+                checkpoint, [checkpoint.tokenizer.encode(i["prompt"]).ids], SamplingParams(max_tokens=i["max_tokens"])
+            )[0]
+            for i in lines
+        )
+    ]
+    assert report["oracle:3"]["k_histogram"] == {"3": sum(math.ceil((n - 1) / 4) for n in lengths)}
+    assert report["oracle:3"]["mean_accepted_drafts"] > report["static:3"]["mean_accepted_drafts"]
+    assert "ceiling at k = 3: " in capsys.readouterr().out
+
+
+def test_the_ceiling_refuses_sampled_requests(tmp_path):
+    target, draft, workload = tiny_setup(tmp_path, [{"prompt": "w3", "max_tokens": 4, "temperature": 1.0}], 0.2)
+    with pytest.raises(SystemExit):
+        ceiling_main(["--workload", str(workload), "--target", str(target), "--draft", str(draft)])

@@ -1,0 +1,141 @@
+"""What would a drafter that is never wrong serve on this machine? The ceiling for any drafter.
+
+    python -m bench.ceiling --workload bench/workloads/suite/code-greedy.heldout.jsonl \\
+        [--ks 1,3,5,7] [--modes none,static:3+drafter=dflash] [--repeats 3]
+
+Every request (greedy only) is first decoded by the target alone. `oracle:K` then serves it with
+a drafter that proposes the next K tokens of that very output, at no cost of its own: every
+draft is kept, so a round emits K + 1 tokens for the price of the target's verify and the
+round's own work. It runs side by side with `--modes` (bench.spec's modes), a round at a time,
+so its tokens per second over target-only (`none`) bound what any drafter could reach here at
+that k, prefill included: a bar above it cannot be met by a better drafter, only by a cheaper
+target forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence as Seq
+
+from torch import Tensor
+
+from bench.spec import (
+    ModeReport,
+    ModeRun,
+    WorkItem,
+    bench_snapshot,
+    build_controller,
+    drafters_of,
+    print_table,
+    read_workload,
+    run_side_by_side,
+    warm_up,
+)
+from bench.spec import make_parser as spec_parser
+from control.config import ConfigSnapshot
+from daemon.runtime import Models, load_models
+from engine.controller import Controller
+from engine.core import Engine
+from engine.drafters import Proposal
+from engine.generate import generate
+from engine.request import Sequence
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy output, known in advance: a bench's ceiling, never a
+    drafter to serve with (it has to have decoded the request already)."""
+
+    name = "oracle"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]]) -> None:
+        self.outputs = outputs
+
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
+        pass
+
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        proposals = []
+        for seq, k in zip(seqs, ks):
+            done = len(seq.output)
+            proposals.append(Proposal(self.outputs[seq.request.prompt][done : done + k]))
+        return proposals
+
+    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+def target_outputs(models: Models, items: Seq[WorkItem]) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's greedy output from the target alone."""
+    target = models.target
+    prompts = [tuple(target.tokenizer.encode(item.prompt).ids) for item in items]
+    return {p: generate(target, [list(p)], item.params)[0].tokens for p, item in zip(prompts, items)}
+
+
+def oracle_controller(
+    k: int, outputs: dict[tuple[int, ...], list[int]], snapshot: ConfigSnapshot, models: Models, max_seq_len: int
+) -> Controller:
+    """A static-k engine (batch 1) whose drafter is the oracle."""
+    engine = Engine(
+        models.target,
+        OracleDrafter(outputs),
+        1,
+        max_seq_len,
+        [k],
+        max_k=max(k, snapshot.engine.max_k),
+        verification=snapshot.engine.verification,
+    )
+    return Controller(engine, snapshot.adaptive.policy, adaptive=False, static_k=k)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = spec_parser()
+    parser.description = __doc__
+    parser.set_defaults(modes="none", repeats=3)
+    parser.add_argument("--ks", default="1,3,5,7", help="the oracle's draft lengths, comma-separated")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    items = read_workload(args.workload)
+    if any(not item.params.greedy for item in items):
+        parser.error("the oracle knows greedy outputs only: the workload has sampled requests")
+    if args.url or args.concurrency != 1:
+        parser.error("the ceiling runs in-process at batch 1")
+    snapshot = bench_snapshot(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    ks = [int(k) for k in args.ks.split(",")]
+    models = load_models(snapshot, kinds=drafters_of(modes))
+    outputs = target_outputs(models, items)
+    warm_up(snapshot, models, items, 1, args.max_seq_len)
+    tokenizer = models.target.tokenizer
+    reports = {name: ModeReport() for name in modes + [f"oracle:{k}" for k in ks]}
+    for repeat in range(args.repeats):
+        controllers = {m: build_controller(m, snapshot, models, 1, args.max_seq_len) for m in modes}
+        controllers |= {f"oracle:{k}": oracle_controller(k, outputs, snapshot, models, args.max_seq_len) for k in ks}
+        runs = {name: ModeRun(c, items, tokenizer, 1) for name, c in controllers.items()}
+        run_side_by_side(list(runs.values()))
+        for name, run in runs.items():
+            reports[name].merge(run.report)
+            print(f"  {name} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
+    print_table(reports)
+    if "none" in reports:
+        base = reports["none"]
+        for k in ks:
+            oracle = reports[f"oracle:{k}"]
+            ratio = (oracle.tokens / oracle.seconds) / (base.tokens / base.seconds)
+            runs = ", ".join(f"{a / b:.2f}" for a, b in zip(oracle.runs, base.runs))
+            print(f"ceiling at k = {k}: {ratio:.2f}x none (runs {runs})")
+    if args.json:
+        args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
