@@ -71,10 +71,15 @@ class OracleDrafter:
 
 
 def target_outputs(models: Models, items: Seq[WorkItem]) -> dict[tuple[int, ...], list[int]]:
-    """Each prompt's greedy output from the target alone."""
+    """Each prompt's greedy output from the target alone (the longest, where a prompt comes twice
+    with other max_tokens: the shorter is its beginning)."""
     target = models.target
-    prompts = [tuple(target.tokenizer.encode(item.prompt).ids) for item in items]
-    return {p: generate(target, [list(p)], item.params)[0].tokens for p, item in zip(prompts, items)}
+    outputs: dict[tuple[int, ...], list[int]] = {}
+    for item in items:
+        prompt = tuple(target.tokenizer.encode(item.prompt).ids)
+        output = generate(target, [list(prompt)], item.params)[0].tokens
+        outputs[prompt] = max(outputs.get(prompt, []), output, key=len)
+    return outputs
 
 
 def oracle_controller(
