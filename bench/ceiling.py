@@ -15,23 +15,22 @@ target forward.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Sequence as Seq
+from functools import partial
 
 from torch import Tensor
 
 from bench.spec import (
-    ModeReport,
-    ModeRun,
     WorkItem,
     bench_snapshot,
     build_controller,
     drafters_of,
+    mode_snapshot,
     print_table,
     read_workload,
-    run_side_by_side,
+    run_controllers,
     warm_up,
+    write_reports,
 )
 from bench.spec import make_parser as spec_parser
 from control.config import ConfigSnapshot
@@ -85,7 +84,7 @@ def target_outputs(models: Models, items: Seq[WorkItem]) -> dict[tuple[int, ...]
 def oracle_controller(
     k: int, outputs: dict[tuple[int, ...], list[int]], snapshot: ConfigSnapshot, models: Models, max_seq_len: int
 ) -> Controller:
-    """A static-k engine (batch 1) whose drafter is the oracle."""
+    """A static-k engine (batch 1) whose drafter is the oracle, its policy that of `static:K`."""
     engine = Engine(
         models.target,
         OracleDrafter(outputs),
@@ -95,7 +94,8 @@ def oracle_controller(
         max_k=max(k, snapshot.engine.max_k),
         verification=snapshot.engine.verification,
     )
-    return Controller(engine, snapshot.adaptive.policy, adaptive=False, static_k=k)
+    static = mode_snapshot(snapshot, f"static:{k}").adaptive
+    return Controller(engine, static.policy, adaptive=False, static_k=k, initial_k=k)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -120,16 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     models = load_models(snapshot, kinds=drafters_of(modes))
     outputs = target_outputs(models, items)
     warm_up(snapshot, models, items, 1, args.max_seq_len)
-    tokenizer = models.target.tokenizer
-    reports = {name: ModeReport() for name in modes + [f"oracle:{k}" for k in ks]}
-    for repeat in range(args.repeats):
-        controllers = {m: build_controller(m, snapshot, models, 1, args.max_seq_len) for m in modes}
-        controllers |= {f"oracle:{k}": oracle_controller(k, outputs, snapshot, models, args.max_seq_len) for k in ks}
-        runs = {name: ModeRun(c, items, tokenizer, 1) for name, c in controllers.items()}
-        run_side_by_side(list(runs.values()))
-        for name, run in runs.items():
-            reports[name].merge(run.report)
-            print(f"  {name} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
+    factories = {m: partial(build_controller, m, snapshot, models, 1, args.max_seq_len) for m in modes}
+    for k in ks:
+        factories[f"oracle:{k}"] = partial(oracle_controller, k, outputs, snapshot, models, args.max_seq_len)
+    reports = run_controllers(factories, items, models.target.tokenizer, 1, args.repeats)
     print_table(reports)
     if "none" in reports:
         base = reports["none"]
@@ -139,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = ", ".join(f"{a / b:.2f}" for a, b in zip(oracle.runs, base.runs))
             print(f"ceiling at k = {k}: {ratio:.2f}x none (runs {runs})")
     if args.json:
-        args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
+        write_reports(args.json, reports)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ import json
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from control.config import ConfigSnapshot, load_config
@@ -288,20 +290,27 @@ def run_modes(
     repeats: int = 1,
 ) -> dict[str, ModeReport]:
     """Serve `items` with every mode side by side, `repeats` times over, each time on new engines."""
-    reports = {mode: ModeReport() for mode in modes}
-    tokenizer = models.target.tokenizer
+    factories = {mode: partial(build_controller, mode, snapshot, models, concurrency, max_seq_len) for mode in modes}
+    return run_controllers(factories, items, models.target.tokenizer, concurrency, repeats)
+
+
+def run_controllers(
+    factories: dict[str, Callable[[], Controller]], items: list[WorkItem], tokenizer, concurrency: int, repeats: int
+) -> dict[str, ModeReport]:
+    """Serve `items` with the controller each factory builds, side by side, `repeats` times over,
+    each time on new engines; reports by factory name."""
+    reports = {name: ModeReport() for name in factories}
     for repeat in range(repeats):
-        runs = {
-            mode: ModeRun(
-                build_controller(mode, snapshot, models, concurrency, max_seq_len), items, tokenizer, concurrency
-            )
-            for mode in modes
-        }
+        runs = {name: ModeRun(build(), items, tokenizer, concurrency) for name, build in factories.items()}
         run_side_by_side(list(runs.values()))
-        for mode, run in runs.items():
-            reports[mode].merge(run.report)
-            print(f"  {mode} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
+        for name, run in runs.items():
+            reports[name].merge(run.report)
+            print(f"  {name} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
     return reports
+
+
+def write_reports(path: Path, reports: dict[str, ModeReport]) -> None:
+    path.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
 
 
 def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> ModeReport:
@@ -486,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
         reports = {"server": run_url(args.url, items, args.concurrency)}
         print_table(reports)
         if args.json:
-            args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
+            write_reports(args.json, reports)
         return
 
     snapshot = bench_snapshot(args)
@@ -501,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     reports = run_modes(modes, items, snapshot, models, args.concurrency, args.max_seq_len, args.repeats)
     print_table(reports)
     if args.json:
-        args.json.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
+        write_reports(args.json, reports)
     if args.plot:
         plot(reports, args.plot, window=max(1.0, max(r.seconds for r in reports.values()) / 40))
 
