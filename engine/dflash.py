@@ -32,7 +32,7 @@ from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflas
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
+from engine.model import RMSNorm, Rotary, Transformer, apply_rope
 from engine.native import NativeDFlash
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
@@ -98,15 +98,11 @@ class DFlashModel(DraftVocabulary, nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.draft_vocab_size < config.vocab_size:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        inv_freq = rope_inverse_frequencies(RopeConfig(theta=config.rope_theta), config.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary = Rotary(RopeConfig(theta=config.rope_theta), config.head_dim)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin for `positions` (any shape), with a heads axis before the last."""
-        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
-        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
-        sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # apply_rope's rotate_half, folded in
-        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return self.rotary(positions, self.fc.weight.dtype)
 
     def features(self, taps: Seq[Tensor]) -> Tensor:
         """The context features of the target's tapped hidden states ([..., H] each)."""

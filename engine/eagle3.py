@@ -37,7 +37,7 @@ from engine.config import Eagle3Config, check_weights, eagle3_taps, inspect_eagl
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Transformer, apply_rope, rope_inverse_frequencies
+from engine.model import RMSNorm, Rotary, Transformer, apply_rope
 from engine.native import NativeEagle3
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
@@ -91,15 +91,11 @@ class Eagle3Model(DraftVocabulary, nn.Module):
             # Draft id d is target id d + d2t[d]; t2d marks the target ids the head can draft.
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        inv_freq = rope_inverse_frequencies(config.rope, config.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary = Rotary(config.rope, config.head_dim)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin for `positions` (any shape), with a heads axis before the last."""
-        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
-        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
-        sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # apply_rope's rotate_half, folded in
-        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return self.rotary(positions, self.fc.weight.dtype)
 
     def features(self, taps: Tensor) -> Tensor:
         """The feature of the target's tapped hidden states side by side ([..., taps * H])."""

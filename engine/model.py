@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -282,6 +282,30 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE's cos and signed sin at any positions, for the drafters that rotate keys at arbitrary
+    positions. The angles are computed in float32 whatever dtype the module is cast to: in
+    bfloat16, position x frequency is off by whole radians past a few hundred positions."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inverse_frequencies(rope, head_dim), persistent=False)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Rotary:
+        exact = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = exact.to(self.inv_freq.device)  # moved with the module, never rounded
+        return self
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and signed sin [..., 1, D] in `dtype` for `positions` (any shape): a heads axis
+        before the last, the rotate_half of `apply_rope` folded into the sign."""
+        angles = positions.float()[..., None] * self.inv_freq
+        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+        sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)
+        return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:

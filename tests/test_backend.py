@@ -416,6 +416,28 @@ def test_the_feature_drafters_captured_bodies_read_nothing_back_to_the_host():
     assert block_logits.shape == (2, block - 1, 64)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_a_feature_drafter_in_bfloat16_rotates_by_the_exact_angle(kind):
+    """On an accelerator the drafters run in bfloat16 (CPU keeps float32, so nothing else here
+    would notice): their RoPE angles must still be computed in float32, or keys far into a prompt
+    turn by whole radians and the drafts stop matching."""
+    from engine.dflash import load_dflash
+    from engine.eagle3 import load_eagle3
+
+    target = load_checkpoint(DEFAULT_TARGET, "cpu", "float32")
+    load = load_dflash if kind == "dflash" else load_eagle3
+    model = load(DEFAULT_TARGET.parent / kind, target.model).to(torch.bfloat16)
+    positions = torch.tensor([5, 300, 1500])
+    cos, sin = model.rope(positions)
+    assert cos.dtype == torch.bfloat16
+    inv_freq = 1.0 / (
+        target.config.rope.theta ** (torch.arange(0, cos.shape[-1], 2, dtype=torch.float64) / cos.shape[-1])
+    )
+    angles = positions.double()[:, None] * inv_freq
+    assert torch.allclose(cos[:, 0].double(), angles.cos().repeat(1, 2), atol=1e-2)
+    assert torch.allclose(sin[:, 0, cos.shape[-1] // 2 :].double(), angles.sin(), atol=1e-2)
+
+
 # ---- CUDA ----------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -423,11 +445,9 @@ CUDA_STEPS = (0, 1, 3, 5, 7)
 
 
 @pytest.fixture(scope="module")
-def default_pair_cuda(default_pair_available):
+def default_pair_cuda():
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need a CUDA device")
-    if not default_pair_available:
-        pytest.skip("the default models are not in models/")
     # float32: graph and eager attention differ only in kernel choice and key count, so greedy
     # ties cannot flip the comparison; bfloat16 is timed in bench/graphs.py.
     return load_checkpoint(DEFAULT_TARGET, "cuda", "float32"), load_checkpoint(DEFAULT_DRAFT, "cuda", "float32")
