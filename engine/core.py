@@ -168,8 +168,9 @@ class Engine:
         return state
 
     def _capture_graphs(self, k: int) -> tuple[GraphSet, int]:
-        """State k's verify graphs, and the shared draft-step graphs if no state has captured them
-        yet (this state then pays for them); returns the graphs and the memory they added."""
+        """State k's verify graphs (and an EAGLE-3 head's greedy chain of k), and the shared
+        draft-step graphs if no state has captured them yet (this state then pays for them);
+        returns the graphs and the memory they added."""
         assert self.graph_runner is not None
         graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], self.capture_layers)
         memory = graphs.memory_bytes
@@ -181,6 +182,9 @@ class Engine:
         if k > 0 and isinstance(drafter, (Eagle3Drafter, DFlashDrafter)) and drafter.graphs is None:
             drafter.graphs = drafter.capture_graphs(self.backend, self.graph_runner.batch_sizes)
             memory += drafter.graphs.memory_bytes
+        if k > 0 and isinstance(drafter, Eagle3Drafter):
+            chain = drafter.chain_graphs[k] = drafter.capture_chain(self.backend, self.graph_runner.batch_sizes, k)
+            memory += chain.memory_bytes
         return graphs, memory
 
     @property
@@ -189,6 +193,8 @@ class Engine:
         runners: list[GraphRunner | CallGraphs | None] = [self.graph_runner, self.draft_graph_runner]
         if isinstance(self.drafter, (Eagle3Drafter, DFlashDrafter)):
             runners.append(self.drafter.graphs)
+        if isinstance(self.drafter, Eagle3Drafter):
+            runners += self.drafter.chain_graphs.values()
         return sum(r.captures for r in runners if r is not None)
 
     @torch.inference_mode()

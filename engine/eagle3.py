@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence as Seq
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -191,6 +192,8 @@ class Eagle3Drafter:
         self.waiting: dict[int, list[Tensor]] = {}  # per slot: tapped hidden states not yet entries
         # Chain-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: CallGraphs | None = None
+        # Greedy chains of k drafts whole, one set per k, captured with state k (`capture_chain`).
+        self.chain_graphs: dict[int, CallGraphs] = {}
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
@@ -254,6 +257,35 @@ class Eagle3Drafter:
             return inputs, torch.zeros(batch_size, hidden, dtype=self.next_feature.dtype, device=device)
 
         return CallGraphs(backend, batch_sizes, padding, self.static_draft)
+
+    def capture_chain(self, backend: Backend, batch_sizes: Seq[int], k: int) -> CallGraphs:
+        """A greedy chain of k drafts (`static_chain`) captured for each batch size: a round then
+        costs one replay and one read back, where a step at a time costs a replay, a few eager
+        operators and a read back per draft. A padding row chains at slot 0's scratch position."""
+        device = self.next_feature.device
+
+        def padding(batch_size: int) -> tuple[Tensor]:
+            inputs = torch.zeros(batch_size, 2, dtype=torch.long, device=device)
+            inputs[:, 0] = self.cache.scratch_pos
+            return (inputs,)
+
+        return CallGraphs(backend, batch_sizes, padding, partial(self.static_chain, steps=k - 1))
+
+    def static_chain(self, inputs: Tensor, steps: int) -> tuple[Tensor]:
+        """A greedy chain with device ops only (what a graph captures): rows `inputs` [rows, 2] =
+        (the slot's entries, the slot). The first draft is the argmax of the slot's next logits,
+        each of the `steps` later ones that of a chain step reading the draft before it. Returns
+        the drafts' target ids [rows, steps + 1]."""
+        starts, slots = inputs.unbind(-1)
+        features = self.next_feature[slots]
+        token = self.draft_ids[self.next_logits[slots].argmax(dim=-1)]
+        drafts = [token]
+        for step in range(steps):
+            positions = (starts + step).clamp(max=self.cache.scratch_pos)  # padding rows stay on scratch
+            features, logits = self.static_draft(torch.stack((token, positions, slots), dim=-1), features)
+            token = self.draft_ids[logits.argmax(dim=-1)]
+            drafts.append(token)
+        return (torch.stack(drafts, dim=-1),)
 
     def static_draft(self, inputs: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
         """The chain step with device ops only, at fixed shapes (what a graph captures): rows
@@ -320,11 +352,12 @@ class Eagle3Drafter:
         if not active:
             return proposals
         self.catch_up([seqs[i] for i in active])
-        if self.native is not None and self.graphs is None:
+        greedy = [i for i in active if seqs[i].params.greedy]
+        if greedy and self.native is not None and self.graphs is None:
             # Greedy chains run whole in the kernels: a step from Python costs a third again of its arithmetic.
-            greedy = [i for i in active if seqs[i].params.greedy]
-            if greedy:
-                self.native_chains(seqs, ks, greedy, proposals)
+            self.native_chains(seqs, ks, greedy, proposals)
+            active = [i for i in active if not seqs[i].params.greedy]
+        elif greedy and self.graph_chains(seqs, ks, greedy, proposals):
             active = [i for i in active if not seqs[i].params.greedy]
         if active:
             self.chains(seqs, ks, active, proposals)
@@ -341,6 +374,23 @@ class Eagle3Drafter:
         drafts = self.native.chain(self.cache, slots, starts, steps, first, self.next_feature[slots], self.draft_ids)
         for i, tokens in zip(rows, drafts):
             proposals[i].tokens = tokens
+
+    def graph_chains(self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]) -> bool:
+        """Greedy chains for seqs[rows] in one replay of the longest one's chain graph, each row
+        keeping its own ks[i] drafts; False where none serves them (no graph for that k, a batch
+        over every bucket, or a chain that would run past the cache: the step path stops there)."""
+        k = max(ks[i] for i in rows)
+        graphs = self.chain_graphs.get(k)
+        slots = [seqs[i].draft_slot for i in rows]
+        starts = [self.cache.lengths[s] for s in slots]
+        if graphs is None or max(starts) + k - 2 >= self.cache.max_seq_len:
+            return False
+        out = graphs.run(torch.tensor([starts, slots], dtype=torch.long, device=self.next_feature.device).T)
+        if out is None:
+            return False
+        for i, drafts in zip(rows, out[0].tolist()):
+            proposals[i].tokens = drafts[: ks[i]]
+        return True
 
     def chains(self, seqs: Seq[Sequence], ks: Seq[int], active: list[int], proposals: list[Proposal]) -> None:
         """Chains for seqs[active] a step at a time, sampled drafts with their probabilities."""

@@ -23,7 +23,9 @@ What is captured, and who owns it:
 - A feature drafter's own forward (an EAGLE-3 chain step, a DFlash block) is not a Transformer
   forward: `CallGraphs` captures any such function of static inputs, one graph per bucket, shared
   by every state like the draft model's steps. The drafter's extend (a varying number of kept
-  positions per sequence) runs eagerly, as prefill does.
+  positions per sequence) runs eagerly, as prefill does. An EAGLE-3 head's greedy chain of k
+  drafts is also captured whole, owned by state k: one replay a round, the argmax of each step
+  feeding the next on the device.
 
 Guards: a graph is only replayed for a batch of the same mode and the same hidden-capture layers,
 whose widest row and batch size fit (padded) the graph's; anything else runs eagerly. A verify of

@@ -16,7 +16,7 @@ from engine.backend import Backend, CpuBackend, CudaBackend, NpuBackend, backend
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
 from engine.device import DeviceError
-from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
 from engine.generate import generate
 from engine.graphs import (
     ForwardMode,
@@ -368,10 +368,18 @@ def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures
     buckets = default_batch_sizes(4)
     assert sorted(drafter.graphs.calls) == buckets
     captured = engine.graph_captures
-    assert captured == 5 * len(buckets) + len(buckets)  # every state's verify, one shared drafter set
+    # Every state's verify and one shared drafter set; an EAGLE-3 head's chains for each k > 0 too.
+    chains = 4 * len(buckets) if "eagle3" in kind else 0
+    assert captured == 5 * len(buckets) + len(buckets) + chains
     assert serve_switching(engine, params, seed=3) == expected
     assert engine.graph_captures == captured
-    assert drafter.graphs.replays > 0 and drafter.graphs.eager_runs == 0 and engine.graph_runner.replays > 0
+    assert engine.graph_runner.replays > 0
+    if "eagle3" in kind:  # greedy chains replay whole; the step graphs serve sampled ones
+        assert sorted(drafter.chain_graphs) == [1, 2, 3, 5]
+        assert sum(g.replays for g in drafter.chain_graphs.values()) > 0
+        assert all(g.eager_runs == 0 for g in drafter.chain_graphs.values())
+    else:
+        assert drafter.graphs.replays > 0 and drafter.graphs.eager_runs == 0
 
 
 def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_live_entry(pair):
@@ -397,6 +405,38 @@ def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_li
         entries = {(s, graphed.cache.lengths[s] + step) for s in slots}
         assert entries <= written <= entries | {(0, graphed.cache.scratch_pos)}
     assert graphed.graphs.replays == 2
+
+
+def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touches_no_live_entry(pair):
+    """Three chains of up to 5 drafts (one row wanting 3) then one chain, through the bucket of 4:
+    the same drafts as a step at a time, and only the chains' own entries and slot 0's scratch
+    written, whatever rows an earlier batch left in the bucket."""
+    from types import SimpleNamespace
+
+    target, _ = pair
+    graphed, eager = (feature_drafter("eagle3", target.model, 4) for _ in range(2))
+    graphed.chain_graphs[5] = graphed.capture_chain(FakeGraphBackend(), [4], 5)
+    for drafter in (graphed, eager):
+        for slot, length in enumerate((5, 9, 2, 7)):
+            drafter.cache.allocate()
+            drafter.cache.lengths[slot] = length
+    params = SamplingParams(max_tokens=16)
+    for seed, (slots, ks) in enumerate((([1, 2, 3], [5, 3, 5]), ([2], [5]))):
+        seqs = [SimpleNamespace(draft_slot=slot, params=params) for slot in slots]
+        for drafter in (graphed, eager):
+            buffers = (drafter.cache.k, drafter.cache.v, drafter.next_feature, drafter.next_logits)
+            for i, buffer in enumerate(buffers):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(4 * seed + i)))
+        before = graphed.cache.k.clone()
+        replayed, stepped = [Proposal([]) for _ in slots], [Proposal([]) for _ in slots]
+        assert graphed.graph_chains(seqs, ks, list(range(len(slots))), replayed)
+        eager.chains(seqs, ks, list(range(len(slots))), stepped)
+        assert [p.tokens for p in replayed] == [p.tokens for p in stepped]
+        assert [len(p.tokens) for p in replayed] == ks
+        written = {tuple(w) for w in graphed.cache.k[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
+        entries = {(s, graphed.cache.lengths[s] + step) for s in slots for step in range(4)}
+        assert written - {(0, graphed.cache.scratch_pos)} == entries
+    assert graphed.chain_graphs[5].replays == 2
 
 
 def test_the_feature_drafters_captured_bodies_read_nothing_back_to_the_host():
