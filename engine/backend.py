@@ -132,6 +132,11 @@ class CudaBackend(_GraphBackend):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, torch.cuda, torch.cuda.CUDAGraph, torch.cuda.graph)
+        # cuDNN's attention builds a plan for every new shape, and eager attention changes shape
+        # all the time here (each prompt's length, a key length that grows every round): host
+        # milliseconds per new shape on an H100 and an H200 (docs/benchmarks.md, "On a GPU").
+        # Flash and memory-efficient attention need no plan.
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class NpuBackend(_GraphBackend):

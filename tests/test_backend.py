@@ -511,6 +511,7 @@ def test_cuda_backend_is_selected_with_graphs():
     assert isinstance(backend, CudaBackend) and backend.supports_graphs and backend.allows_compile
     assert backend.default_dtype == torch.bfloat16
     assert backend.graph_pool() is backend.graph_pool()  # one pool for every capture
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # a plan per attention shape: see CudaBackend
     backend.synchronize()
 
 
