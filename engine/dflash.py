@@ -222,6 +222,8 @@ class DFlashDrafter:
         self.head_rows = model.head(target) if reduced and self.native is None else None
         # Block graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: CallGraphs | None = None
+        # The extend after a verify of width k + 1, keyed by that width, captured with state k (`capture_extend`).
+        self.extend_graphs: dict[int, CallGraphs] = {}
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
@@ -240,6 +242,13 @@ class DFlashDrafter:
         """The first counts[r] tapped hidden states of row r (`hidden`: per tap [rows, width, H])
         become the context of seqs[r] at its next positions, all rows in one call."""
         taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)
+        graphs = self.extend_graphs.get(taps.shape[1])
+        if graphs is not None and seqs:
+            rows = [[self.cache.lengths[seq.draft_slot], count, seq.draft_slot] for seq, count in zip(seqs, counts)]
+            if graphs.run(taps, torch.tensor(rows, dtype=torch.long, device=taps.device)) is not None:
+                for seq, count in zip(seqs, counts):
+                    self.cache.lengths[seq.draft_slot] += count
+                return
         slots: list[int] = []
         positions: list[int] = []
         pieces = []
@@ -327,6 +336,35 @@ class DFlashDrafter:
             return (inputs,)
 
         return CallGraphs(backend, batch_sizes, padding, self.static_block)
+
+    def capture_extend(self, backend: Backend, batch_sizes: Seq[int], width: int) -> CallGraphs:
+        """The extend after a verify of `width` tokens (`static_extend`) captured for each batch
+        size. A padding row has no positions to keep: it writes only slot 0's scratch position."""
+        device = self.model.fc.weight.device
+        taps = len(self.capture_layers) * self.config.hidden_size
+        dtype = self.target.embed_tokens.weight.dtype  # the target's hidden states
+
+        def padding(batch_size: int) -> tuple[Tensor, Tensor]:
+            inputs = torch.zeros(batch_size, width, taps, dtype=dtype, device=device)
+            return inputs, torch.zeros(batch_size, 3, dtype=torch.long, device=device)
+
+        return CallGraphs(backend, batch_sizes, padding, self.static_extend)
+
+    def static_extend(self, taps: Tensor, rows: Tensor) -> tuple[Tensor]:
+        """`_extend` with device ops only, at fixed shapes (what a graph captures): the tapped
+        hidden states `taps` [rows, W, taps * H] beside `rows` [rows, 3] = (the slot's context
+        length, how many of the W positions become context, the slot). The positions past a
+        row's count write its slot's scratch position, never visible. Returns where each went."""
+        starts, counts, slots = rows.unbind(-1)
+        offsets = torch.arange(taps.shape[1], device=taps.device)[None, :]
+        positions = starts[:, None] + offsets
+        where = torch.where(offsets < counts[:, None], positions, self.cache.scratch_pos)
+        keys, values = self.model.context(self.model.fused(taps.to(self.model.fc.weight.dtype)), positions)
+        index = slots[:, None].expand_as(where)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            self.cache.k[i, index, where] = k
+            self.cache.v[i, index, where] = v
+        return (where,)
 
     def static_block(self, inputs: Tensor) -> tuple[Tensor]:
         """`block_logits` of every draft with device ops only, at fixed shapes (what a graph

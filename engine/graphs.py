@@ -22,10 +22,11 @@ What is captured, and who owns it:
 - PREFILL runs eagerly: prompts vary too much in length for a bucketed graph to pay off.
 - A feature drafter's own forward (an EAGLE-3 chain step, a DFlash block) is not a Transformer
   forward: `CallGraphs` captures any such function of static inputs, one graph per bucket, shared
-  by every state like the draft model's steps. The drafter's extend (a varying number of kept
-  positions per sequence) runs eagerly, as prefill does. An EAGLE-3 head's greedy chain of k
-  drafts is also captured whole, owned by state k: one replay a round, the argmax of each step
-  feeding the next on the device.
+  by every state like the draft model's steps. An EAGLE-3 head's greedy chain of k drafts is
+  also captured whole, owned by state k: one replay a round, the argmax of each step feeding the
+  next on the device. A DFlash drafter's extend after a verify of k + 1 tokens is owned by state
+  k too (positions past a sequence's kept ones write its scratch position). The EAGLE-3 head's
+  extend (the positions held since it last drafted, any number) runs eagerly, as prefill does.
 
 Guards: a graph is only replayed for a batch of the same mode and the same hidden-capture layers,
 whose widest row and batch size fit (padded) the graph's; anything else runs eagerly. A verify of

@@ -368,9 +368,10 @@ def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures
     buckets = default_batch_sizes(4)
     assert sorted(drafter.graphs.calls) == buckets
     captured = engine.graph_captures
-    # Every state's verify and one shared drafter set; an EAGLE-3 head's chains for each k > 0 too.
-    chains = 4 * len(buckets) if "eagle3" in kind else 0
-    assert captured == 5 * len(buckets) + len(buckets) + chains
+    # Every state's verify and one shared drafter set; an EAGLE-3 head's chains for each k > 0
+    # too, a DFlash drafter's extend after each state's verify.
+    own = 4 * len(buckets) if "eagle3" in kind else 5 * len(buckets)
+    assert captured == 5 * len(buckets) + len(buckets) + own
     assert serve_switching(engine, params, seed=3) == expected
     assert engine.graph_captures == captured
     assert engine.graph_runner.replays > 0
@@ -378,8 +379,10 @@ def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures
         assert sorted(drafter.chain_graphs) == [1, 2, 3, 5]
         assert sum(g.replays for g in drafter.chain_graphs.values()) > 0
         assert all(g.eager_runs == 0 for g in drafter.chain_graphs.values())
-    else:
+    else:  # prompts are extended eagerly, every verify's positions through the graphs
         assert drafter.graphs.replays > 0 and drafter.graphs.eager_runs == 0
+        assert sorted(drafter.extend_graphs) == [1, 2, 3, 4, 6]
+        assert sum(g.replays for g in drafter.extend_graphs.values()) > 0
 
 
 def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_live_entry(pair):
@@ -439,6 +442,37 @@ def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touc
     assert graphed.chain_graphs[5].replays == 2
 
 
+def test_a_replayed_dflash_extend_writes_what_the_eager_one_does_and_padding_touches_no_live_entry(pair):
+    """Rows keeping 3 and 1 of a verify's 4 positions, then one row through the bucket of 4: the
+    context keys and values the eager extend writes, and besides them only scratch positions."""
+    from types import SimpleNamespace
+
+    target, _ = pair
+    graphed, eager = (feature_drafter("dflash", target.model, 4) for _ in range(2))
+    graphed.extend_graphs[4] = graphed.capture_extend(FakeGraphBackend(), [4], 4)
+    for drafter in (graphed, eager):
+        for slot, length in enumerate((5, 9, 2, 7)):
+            drafter.cache.allocate()
+            drafter.cache.lengths[slot] = length
+    size = target.model.config.hidden_size
+    for seed, (slots, counts) in enumerate((([1, 3], [3, 1]), ([2], [4]))):
+        seqs = [SimpleNamespace(draft_slot=slot) for slot in slots]
+        generator = torch.Generator().manual_seed(seed)
+        hidden = {i: torch.randn(len(slots), 4, size, generator=generator) for i in graphed.capture_layers}
+        before = graphed.cache.k.clone()
+        starts = [graphed.cache.lengths[s] for s in slots]
+        for drafter in (graphed, eager):
+            drafter._extend(seqs, counts, hidden)
+        assert [graphed.cache.lengths[s] for s in slots] == [eager.cache.lengths[s] for s in slots]
+        for slot, start, count in zip(slots, starts, counts):
+            for mine, theirs in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
+                torch.testing.assert_close(mine[:, slot, : start + count], theirs[:, slot, : start + count])
+        written = {tuple(w) for w in graphed.cache.k[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
+        entries = {(s, start + j) for s, start, count in zip(slots, starts, counts) for j in range(count)}
+        assert entries <= written <= entries | {(s, graphed.cache.scratch_pos) for s in range(4)}
+    assert graphed.extend_graphs[4].replays == 2
+
+
 def test_the_feature_drafters_captured_bodies_read_nothing_back_to_the_host():
     """As for the target's static forward: on the meta device any host read fails."""
     model = load_tiny("llama")
@@ -452,8 +486,10 @@ def test_the_feature_drafters_captured_bodies_read_nothing_back_to_the_host():
         inputs = torch.zeros(2, 3, dtype=torch.long, device="meta")
         features, logits = eagle3.static_draft(inputs, torch.zeros(2, model.config.hidden_size, device="meta"))
         (block_logits,) = dflash.static_block(torch.zeros(2, block + 2, dtype=torch.long, device="meta"))
+        taps = torch.zeros(2, 4, len(dflash.capture_layers) * model.config.hidden_size, device="meta")
+        (where,) = dflash.static_extend(taps, torch.zeros(2, 3, dtype=torch.long, device="meta"))
     assert features.shape == (2, model.config.hidden_size) and logits.shape == (2, 64)
-    assert block_logits.shape == (2, block - 1, 64)
+    assert block_logits.shape == (2, block - 1, 64) and where.shape == (2, 4)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
