@@ -95,6 +95,10 @@ class ModeReport:
     accepted: int = 0
     switches: int = 0
     k_rounds: Counter = field(default_factory=Counter)
+    # Where the rounds' seconds went, from the engine's own timings; the rest is the round's own work.
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
     phase_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     phase_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, k, tokens)
@@ -110,10 +114,21 @@ class ModeReport:
         self.accepted += other.accepted
         self.switches += other.switches
         self.k_rounds.update(other.k_rounds)
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
         for phase in other.phase_tokens:
             self.phase_tokens[phase] += other.phase_tokens[phase]
             self.phase_seconds[phase] += other.phase_seconds[phase]
         self.timeline.extend((t + offset, k, n) for t, k, n in other.timeline)
+
+    def round_ms(self) -> dict[str, float]:
+        """Milliseconds a round (in-process modes): drafting, the verify forward, and the rest of
+        the round (accepting, the drafter's extend, bookkeeping), prefill left out."""
+        rounds = max(sum(self.k_rounds.values()), 1)
+        rest = self.seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
+        parts = {"draft": self.draft_seconds, "verify": self.verify_seconds, "rest": max(rest, 0.0)}
+        return {name: 1e3 * seconds / rounds for name, seconds in parts.items()}
 
     def as_json(self) -> dict:
         return {
@@ -124,6 +139,8 @@ class ModeReport:
             "switches": self.switches,
             "runs_tokens_per_s": list(self.runs),
             "k_histogram": {str(k): n for k, n in sorted(self.k_rounds.items())},
+            "round_ms": self.round_ms(),
+            "prefill_seconds": self.prefill_seconds,
             "phases": {
                 phase: {
                     "tokens_per_s": self.phase_tokens[phase] / max(self.phase_seconds[phase], 1e-9),
@@ -263,6 +280,9 @@ class ModeRun:
         report.tokens += total
         if result.batch_size:
             report.k_rounds[result.k] += 1
+        report.prefill_seconds += result.prefill_seconds
+        report.draft_seconds += result.draft_seconds
+        report.verify_seconds += result.verify_seconds
         report.timeline.append((self.clock, result.k, total))
         report.seconds = self.clock
         report.switches = self.controller.switches
@@ -401,6 +421,13 @@ def print_table(reports: dict[str, ModeReport]) -> None:
     for mode, r in reports.items():
         histogram = " ".join(f"k={k}:{n}" for k, n in sorted(r.k_rounds.items()))
         print(f"  {mode:<16} rounds by k: {histogram}")
+    for mode, r in reports.items():
+        if r.draft_seconds or r.verify_seconds:  # in-process: the engine timed its phases
+            ms = r.round_ms()
+            print(
+                f"  {mode:<16} ms a round: draft {ms['draft']:.3f}, verify {ms['verify']:.3f}, "
+                f"rest {ms['rest']:.3f}; prefill {r.prefill_seconds:.2f} s in all"
+            )
     # `none` is static k = 0: a policy that turns speculation off must beat it too.
     statics = {m: r for m, r in reports.items() if m == "none" or m.startswith("static:")}
     if statics:

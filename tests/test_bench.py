@@ -47,11 +47,19 @@ def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):
         assert abs(sum(p["seconds"] for p in mode["phases"].values()) - mode["seconds"]) < mode["seconds"] * 0.5
     assert report["none"]["mean_accepted_drafts"] == 0
     assert report["static:3"]["mean_accepted_drafts"] > 0
+    # Where a round's time went: target-only never drafts; a mode that drafts spends time there,
+    # and the parts never add up to more than its rounds took.
+    for name, mode in report.items():
+        ms, rounds = mode["round_ms"], sum(mode["k_histogram"].values())
+        assert ms["verify"] > 0
+        if name == "none" or name.startswith("static:"):
+            assert (ms["draft"] < 0.1 * ms["verify"]) == (name == "none")
+        assert sum(ms.values()) * rounds / 1e3 + mode["prefill_seconds"] <= mode["seconds"] * 1.001
     # Greedy requests produce the same tokens in every mode: speculation changes speed only.
     assert report["static:1"]["phases"]["high"]["tokens"] == report["none"]["phases"]["high"]["tokens"]
     assert plot.stat().st_size > 1000
     printed = capsys.readouterr().out
-    assert "per-phase oracle" in printed and "x best static (runs " in printed
+    assert "per-phase oracle" in printed and "x best static (runs " in printed and "ms a round: draft" in printed
     assert all(len(mode["runs_tokens_per_s"]) == 2 for mode in report.values())  # --repeats 2
 
 
