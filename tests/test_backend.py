@@ -385,16 +385,28 @@ def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures
         assert sum(g.replays for g in drafter.extend_graphs.values()) > 0
 
 
+def slotted_pair(kind: str, model):
+    """Two fresh drafters of `kind` beside `model`, one to replay graphs and one eager, each with
+    four slots of 5, 9, 2 and 7 entries."""
+    drafters = tuple(feature_drafter(kind, model, 4) for _ in range(2))
+    for drafter in drafters:
+        for slot, length in enumerate((5, 9, 2, 7)):
+            drafter.cache.allocate()
+            drafter.cache.lengths[slot] = length
+    return drafters
+
+
+def changed_entries(before: torch.Tensor, after: torch.Tensor) -> set[tuple[int, ...]]:
+    """The (slot, position) entries whose keys in the cache's first layer changed."""
+    return {tuple(w) for w in after[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
+
+
 def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_live_entry(pair):
     """A batch of 3 then one of 1 through the bucket of 4: the rows the first left behind are
     reset to padding, so the second replay writes only its own entry and slot 0's scratch."""
     target, _ = pair
-    graphed, eager = (feature_drafter("eagle3", target.model, 4) for _ in range(2))
+    graphed, eager = slotted_pair("eagle3", target.model)
     graphed.graphs = graphed.capture_graphs(FakeGraphBackend(), [4])
-    for drafter in (graphed, eager):
-        for slot, length in enumerate((5, 9, 2, 7)):
-            drafter.cache.allocate()
-            drafter.cache.lengths[slot] = length
     for seed, (slots, tokens, step) in enumerate((([1, 2, 3], [4, 5, 6], 0), ([2], [7], 1))):
         # New entries everywhere before each replay, as verified positions overwrite chain entries.
         for drafter in (graphed, eager):
@@ -404,7 +416,7 @@ def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_li
         logits = graphed.draft(slots, tokens, step)
         torch.testing.assert_close(logits, eager.draft(slots, tokens, step), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graphed.next_feature, eager.next_feature, atol=1e-5, rtol=1e-5)
-        written = {tuple(w) for w in graphed.cache.k[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
+        written = changed_entries(before, graphed.cache.k)
         entries = {(s, graphed.cache.lengths[s] + step) for s in slots}
         assert entries <= written <= entries | {(0, graphed.cache.scratch_pos)}
     assert graphed.graphs.replays == 2
@@ -417,12 +429,8 @@ def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touc
     from types import SimpleNamespace
 
     target, _ = pair
-    graphed, eager = (feature_drafter("eagle3", target.model, 4) for _ in range(2))
+    graphed, eager = slotted_pair("eagle3", target.model)
     graphed.chain_graphs[5] = graphed.capture_chain(FakeGraphBackend(), [4], 5)
-    for drafter in (graphed, eager):
-        for slot, length in enumerate((5, 9, 2, 7)):
-            drafter.cache.allocate()
-            drafter.cache.lengths[slot] = length
     params = SamplingParams(max_tokens=16)
     for seed, (slots, ks) in enumerate((([1, 2, 3], [5, 3, 5]), ([2], [5]))):
         seqs = [SimpleNamespace(draft_slot=slot, params=params) for slot in slots]
@@ -436,7 +444,7 @@ def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touc
         eager.chains(seqs, ks, list(range(len(slots))), stepped)
         assert [p.tokens for p in replayed] == [p.tokens for p in stepped]
         assert [len(p.tokens) for p in replayed] == ks
-        written = {tuple(w) for w in graphed.cache.k[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
+        written = changed_entries(before, graphed.cache.k)
         entries = {(s, graphed.cache.lengths[s] + step) for s in slots for step in range(4)}
         assert written - {(0, graphed.cache.scratch_pos)} == entries
     assert graphed.chain_graphs[5].replays == 2
@@ -448,12 +456,8 @@ def test_a_replayed_dflash_extend_writes_what_the_eager_one_does_and_padding_tou
     from types import SimpleNamespace
 
     target, _ = pair
-    graphed, eager = (feature_drafter("dflash", target.model, 4) for _ in range(2))
+    graphed, eager = slotted_pair("dflash", target.model)
     graphed.extend_graphs[4] = graphed.capture_extend(FakeGraphBackend(), [4], 4)
-    for drafter in (graphed, eager):
-        for slot, length in enumerate((5, 9, 2, 7)):
-            drafter.cache.allocate()
-            drafter.cache.lengths[slot] = length
     size = target.model.config.hidden_size
     for seed, (slots, counts) in enumerate((([1, 3], [3, 1]), ([2], [4]))):
         seqs = [SimpleNamespace(draft_slot=slot) for slot in slots]
@@ -467,7 +471,7 @@ def test_a_replayed_dflash_extend_writes_what_the_eager_one_does_and_padding_tou
         for slot, start, count in zip(slots, starts, counts):
             for mine, theirs in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
                 torch.testing.assert_close(mine[:, slot, : start + count], theirs[:, slot, : start + count])
-        written = {tuple(w) for w in graphed.cache.k[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
+        written = changed_entries(before, graphed.cache.k)
         entries = {(s, start + j) for s, start, count in zip(slots, starts, counts) for j in range(count)}
         assert entries <= written <= entries | {(s, graphed.cache.scratch_pos) for s in range(4)}
     assert graphed.extend_graphs[4].replays == 2
