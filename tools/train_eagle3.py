@@ -1,7 +1,7 @@
 """Train an EAGLE-3 head for a target adaspec loads.
 
     python tools/train_eagle3.py TARGET OUT [--steps 2000] [--unroll 7] [--decay 0.8] [--batch 8]
-        [--seq-len 256] [--chains 48] [--lr 6e-4] [--objective kl|greedy] [--taps L1 L2 L3] [--draft-vocab N]
+        [--seq-len 256] [--chains 48] [--lr 6e-4] [--greedy-weight 0] [--taps L1 L2 L3] [--draft-vocab N]
         [--work DIR] [--seed 0]
         [--regenerate N [--prompt-len 96]] [--init HEAD] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
 
@@ -10,8 +10,8 @@ SGLang's: the inputs of layers 2, L/2 and L-3). Training-time test: from random 
 each sequence the head is unrolled --unroll steps as it drafts at inference, step j reading the
 embedding of the true token p + j + 1 beside its own output feature of step j - 1 and attending to
 the target-fed entries up to p and to its own chain; step j's loss is the KL divergence from the
-target's next-token distribution at p + j + 1 (soft targets; --objective greedy: the
-cross-entropy of its most likely token alone), weighted decay^j. AdamW, cosine
+target's next-token distribution at p + j + 1 (soft targets; with --greedy-weight W, (1 - W)
+times that plus W times the cross-entropy of its most likely token), weighted decay^j. AdamW, cosine
 schedule. The target's features are computed on the fly (for a target this small that is cheaper
 than reading them back from disk). With --regenerate N the data are N windows of --prompt-len
 training tokens each followed by the target's own greedy continuation to --seq-len (what the head
@@ -111,12 +111,13 @@ def ttt_loss(
     decay: float,
     rng: torch.Generator,
     first_chain: int = 0,
-    objective: str = "kl",
+    greedy_weight: float = 0.0,
 ) -> tuple[Tensor, list[float]]:
     """The training-time-test loss of one batch of sequences [N, T] and each step's own loss:
     `chains` chain starts per sequence drawn from [first_chain, T - 1 - unroll]. Each step's loss
-    is the KL divergence from the target's distribution ("kl"), or the cross-entropy of the
-    target's most likely token alone ("greedy": all that greedy verification keeps)."""
+    is the KL divergence from the target's distribution, or with `greedy_weight` w, (1 - w) times
+    that plus w times the cross-entropy of the target's most likely token alone (all that greedy
+    verification keeps; a sampled request's rejection rule wants the whole distribution)."""
     batch, length = tokens.shape
     with torch.no_grad():
         logits, taps = target.train_layers(tokens, head.taps)
@@ -141,10 +142,10 @@ def ttt_loss(
         feature = head.finish(attended, feature)
         log_q = F.log_softmax(head.draft_logits(feature).float(), dim=-1)
         label = log_p[rows, starts + j + 1]
-        if objective == "greedy":
-            loss = -log_q.gather(-1, label.argmax(dim=-1, keepdim=True)).mean()
-        else:
-            loss = (label.exp() * (label - log_q)).sum(-1).mean()
+        loss = (label.exp() * (label - log_q)).sum(-1).mean() if greedy_weight < 1 else torch.zeros(())
+        if greedy_weight > 0:
+            greedy = -log_q.gather(-1, label.argmax(dim=-1, keepdim=True)).mean()
+            loss = (1 - greedy_weight) * loss + greedy_weight * greedy
         total = total + decay**j * loss
         steps.append(loss.item())
     return total / sum(decay**j for j in range(unroll)), steps
@@ -158,10 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unroll", type=int, default=7, help="training-time-test steps (>= the largest k served)")
     parser.add_argument("--decay", type=float, default=0.8)
     parser.add_argument(
-        "--objective",
-        choices=("kl", "greedy"),
-        default="kl",
-        help="each step's loss: KL from the target's distribution, or cross-entropy of its argmax",
+        "--greedy-weight",
+        type=float,
+        default=0.0,
+        help="share of each step's loss that is the cross-entropy of the target's argmax (the rest: KL)",
     )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
         loss, kls = ttt_loss(
-            head, model, tokens, args.chains, args.unroll, args.decay, generator, first_chain, args.objective
+            head, model, tokens, args.chains, args.unroll, args.decay, generator, first_chain, args.greedy_weight
         )
         optimizer.zero_grad()
         loss.backward()
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "unroll": args.unroll,
         "decay": args.decay,
-        "objective": args.objective,
+        "greedy_weight": args.greedy_weight,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "chains": args.chains,
