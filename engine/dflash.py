@@ -266,12 +266,15 @@ class DFlashDrafter:
             self.native.extend(self.cache, slots, positions, flat.float())
             return
         where = torch.tensor(positions, device=flat.device)
-        features = self.model.fused(flat.to(self.model.fc.weight.dtype))
-        keys, values = self.model.context(features, where)
-        index = torch.tensor(slots, device=flat.device)
+        self.write_context(flat, where, torch.tensor(slots, device=flat.device), where)
+
+    def write_context(self, taps: Tensor, positions: Tensor, slots: Tensor, where: Tensor) -> None:
+        """Each draft layer's context keys and values of the tapped hidden states `taps` (side by
+        side, [..., taps * H]) at `positions`, written to the cache at (`slots`, `where`)."""
+        keys, values = self.model.context(self.model.fused(taps.to(self.model.fc.weight.dtype)), positions)
         for i, (k, v) in enumerate(zip(keys, values)):
-            self.cache.k[i, index, where] = k
-            self.cache.v[i, index, where] = v
+            self.cache.k[i, slots, where] = k
+            self.cache.v[i, slots, where] = v
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
@@ -359,11 +362,7 @@ class DFlashDrafter:
         offsets = torch.arange(taps.shape[1], device=taps.device)[None, :]
         positions = starts[:, None] + offsets
         where = torch.where(offsets < counts[:, None], positions, self.cache.scratch_pos)
-        keys, values = self.model.context(self.model.fused(taps.to(self.model.fc.weight.dtype)), positions)
-        index = slots[:, None].expand_as(where)
-        for i, (k, v) in enumerate(zip(keys, values)):
-            self.cache.k[i, index, where] = k
-            self.cache.v[i, index, where] = v
+        self.write_context(taps, positions, slots[:, None].expand_as(where), where)
         return (where,)
 
     def static_block(self, inputs: Tensor) -> tuple[Tensor]:
