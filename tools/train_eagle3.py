@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not 0 <= args.greedy_weight <= 1:
+        parser.error(f"--greedy-weight must be between 0 and 1, not {args.greedy_weight}")
 
     torch.manual_seed(args.seed)
     target, data, held_files = training_data(args)
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         first_chain = args.prompt_len - 1 if args.regenerate else 0
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
-        loss, kls = ttt_loss(
+        loss, step_losses = ttt_loss(
             head, model, tokens, args.chains, args.unroll, args.decay, generator, first_chain, args.greedy_weight
         )
         optimizer.zero_grad()
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         step += 1
         losses.append(loss.item())
-        per_step.append(kls)
+        per_step.append(step_losses)
         if step % 10 == 0 or step == args.steps:
             rate = (time.time() - started) / max(1, len(losses))
             recent = sum(losses[-10:]) / len(losses[-10:])
