@@ -548,10 +548,11 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
 
 
 def test_the_training_script_names_a_greedy_weight_out_of_range(tmp_path):
-    command = [sys.executable, "tools/train_eagle3.py", "models/target", str(tmp_path / "head"), "--greedy-weight", "1.5"]
+    out = tmp_path / "head"
+    command = [sys.executable, "tools/train_eagle3.py", "models/target", str(out), "--greedy-weight", "1.5"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--greedy-weight must be between 0 and 1, not 1.5" in done.stderr
-    assert not (tmp_path / "head").exists()
+    assert not out.exists()
 
 
 def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
