@@ -26,6 +26,7 @@ import json
 from collections.abc import Sequence as Seq
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +161,17 @@ def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+class Extend(NamedTuple):
+    """A draft-extend: tokens[t] beside the target's taps[t] become entries of slots[t] at
+    positions[t]; the `selected` ones (each sequence's last) finish the layer."""
+
+    tokens: list[int]
+    taps: Tensor
+    slots: list[int]
+    positions: list[int]
+    selected: list[int]
+
+
 class Eagle3Drafter:
     """The drafter protocol (engine/drafters.py) over an EAGLE-3 head and its own cache. Beside a
     target on the compiled CPU kernels the head runs on them too (`native.NativeEagle3`)."""
@@ -194,6 +206,8 @@ class Eagle3Drafter:
         self.graphs: CallGraphs | None = None
         # Greedy chains of k drafts whole, one set per k, captured with state k (`capture_chain`).
         self.chain_graphs: dict[int, CallGraphs] = {}
+        # Where the head runs on the compiled kernels, a greedy round's extend and chains are one call.
+        self.rounds_in_one_call = self.native is not None and self.next_feature.dtype == torch.float32
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
@@ -214,10 +228,9 @@ class Eagle3Drafter:
             if count > 0:
                 self.waiting.setdefault(seq.draft_slot, []).append(taps[row, :count])
 
-    @torch.inference_mode()
-    def catch_up(self, seqs: Seq[Sequence]) -> None:
-        """The held hidden states of `seqs` become entries at their next positions, every
-        sequence in one step (the draft-extend); each sequence's last one gives its next draft."""
+    def take_held(self, seqs: Seq[Sequence]) -> Extend | None:
+        """The draft-extend that makes the held hidden states of `seqs` entries at their next
+        positions (their cache lengths move past them), or None where none is held."""
         slots, positions, tokens, pieces, selected = [], [], [], [], []
         for seq in seqs:
             held = self.waiting.pop(seq.draft_slot, None)
@@ -230,8 +243,15 @@ class Eagle3Drafter:
             pieces += held
             selected.append(len(slots) - 1)
             self.cache.lengths[seq.draft_slot] = start + count
-        if slots:
-            self.step(tokens, torch.cat(pieces), slots, positions, selected, taps=True)
+        return Extend(tokens, torch.cat(pieces), slots, positions, selected) if slots else None
+
+    @torch.inference_mode()
+    def catch_up(self, seqs: Seq[Sequence]) -> None:
+        """The held hidden states of `seqs` become entries at their next positions, every
+        sequence in one step (the draft-extend); each sequence's last one gives its next draft."""
+        extend = self.take_held(seqs)
+        if extend is not None:
+            self.step(extend.tokens, extend.taps, extend.slots, extend.positions, extend.selected, taps=True)
 
     def draft(self, slots: list[int], tokens: list[int], step: int) -> Tensor:
         """One draft step: each slot's chain entry `step` past its verified ones, reading the token
@@ -351,8 +371,14 @@ class Eagle3Drafter:
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
             return proposals
-        self.catch_up([seqs[i] for i in active])
+        extend = self.take_held([seqs[i] for i in active])
         greedy = [i for i in active if seqs[i].params.greedy]
+        if self.rounds_in_one_call and extend is not None and len(greedy) == len(extend.selected) == len(active):
+            # Every row greedy and caught up here: the extend and the chains in one call.
+            self.native_round(seqs, ks, active, extend, proposals)
+            return proposals
+        if extend is not None:
+            self.step(extend.tokens, extend.taps, extend.slots, extend.positions, extend.selected, taps=True)
         if greedy and self.native is not None and self.graphs is None:
             # Greedy chains run whole in the kernels: a step from Python costs a third again of its arithmetic.
             self.native_chains(seqs, ks, greedy, proposals)
@@ -362,6 +388,28 @@ class Eagle3Drafter:
         if active:
             self.chains(seqs, ks, active, proposals)
         return proposals
+
+    def native_round(
+        self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], extend: Extend, proposals: list[Proposal]
+    ) -> None:
+        """The draft-extend and the greedy chains of seqs[rows] in one call to the compiled kernels."""
+        assert self.native is not None
+        starts = [self.cache.lengths[seqs[i].draft_slot] for i in rows]
+        steps = [max(0, min(ks[i] - 1, self.cache.max_seq_len - start)) for i, start in zip(rows, starts)]
+        drafts = self.native.round(
+            self.cache,
+            extend.tokens,
+            extend.taps,
+            extend.slots,
+            extend.positions,
+            extend.selected,
+            steps,
+            self.draft_ids,
+            self.next_feature,
+            self.next_logits,
+        )
+        for i, tokens in zip(rows, drafts):
+            proposals[i].tokens = tokens
 
     def native_chains(self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]) -> None:
         """Greedy chains for seqs[rows], each in one call to the compiled kernels."""

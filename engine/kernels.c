@@ -686,6 +686,42 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
     return failed;
 }
 
+/* A round's drafting for greedy EAGLE-3 rows in one call: the draft-extend of their kept tokens
+ * (adaspec_eagle3_step with fc over the target's taps; `selected[r]` is row r's last token),
+ * whose output feature and draft-vocabulary logits become slot[selected[r]]'s next ones
+ * (next_features [slots, hidden], next_logits [slots, vocab]), then each row's greedy chain from
+ * there (adaspec_eagle3_chain): its first draft the argmax of those logits, then steps[r] more,
+ * written to tokens[r * width ..]. */
+int adaspec_eagle3_round(const Model *m, const float *hidden_norm, int norm_before_residual, const Linear *fc,
+                         const Cache *cache, int count, const int64_t *token_ids, const float *taps,
+                         const int32_t *slot, const int32_t *position, int rows, const int32_t *selected,
+                         const int32_t *steps, const int64_t *draft_to_target, float *next_features,
+                         float *next_logits, int64_t *tokens, int width, int threads) {
+    const int hidden = m->hidden, vocab = m->vocab;
+    float *arena = malloc(sizeof(float) * (size_t)rows * (hidden + vocab));
+    int32_t *meta = malloc(sizeof(int32_t) * (size_t)rows * 2);
+    if (!arena || !meta) {
+        free(arena), free(meta);
+        return -1;
+    }
+    float *features = arena, *logits = arena + (int64_t)rows * hidden;
+    int32_t *row_slot = meta, *start = meta + rows;
+    int failed = adaspec_eagle3_step(m, hidden_norm, norm_before_residual, fc, cache, count, token_ids, taps, slot,
+                                     position, rows, selected, features, logits, threads);
+    for (int r = 0; r < rows && !failed; r++) {
+        const int t = selected[r];
+        row_slot[r] = slot[t], start[r] = position[t] + 1;
+        memcpy(next_features + (int64_t)slot[t] * hidden, features + (int64_t)r * hidden, sizeof(float) * (size_t)hidden);
+        memcpy(next_logits + (int64_t)slot[t] * vocab, logits + (int64_t)r * vocab, sizeof(float) * (size_t)vocab);
+        tokens[(int64_t)r * width] = draft_to_target[argmax(logits + (int64_t)r * vocab, vocab)];
+    }
+    if (!failed)
+        failed = adaspec_eagle3_chain(m, hidden_norm, norm_before_residual, cache, rows, row_slot, start, steps,
+                                      draft_to_target, features, tokens, width, threads);
+    free(arena), free(meta);
+    return failed;
+}
+
 /* Greedy chains of a draft model for `rows` sequences in one call: what its forward step by step
  * from Python would draft. Row r first feeds count[r] tokens (tokens[r * width ..], what its cache
  * at slot[r] lacks after its start[r] cached ones), whose last logits give its first draft; then

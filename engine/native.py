@@ -241,6 +241,28 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.adaspec_eagle3_chain.restype = ctypes.c_int
+    lib.adaspec_eagle3_round.argtypes = [
+        ctypes.POINTER(_Model),
+        _ptr,
+        ctypes.c_int,
+        ctypes.POINTER(_Linear),
+        ctypes.POINTER(_Cache),
+        ctypes.c_int,
+        _ptr,
+        _ptr,
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        ctypes.c_int,
+        ctypes.POINTER(_i32),
+        ctypes.POINTER(_i32),
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.adaspec_eagle3_round.restype = ctypes.c_int
     lib.adaspec_greedy_chain.argtypes = [
         ctypes.POINTER(_Model),
         ctypes.POINTER(_Cache),
@@ -714,3 +736,51 @@ class NativeEagle3:
         if failed:
             raise MemoryError("the compiled EAGLE-3 chain could not allocate its activations")
         return [row[: n + 1] for row, n in zip(tokens.tolist(), steps)]
+
+    def round(
+        self,
+        cache: KVCache,
+        tokens: list[int],
+        taps: Tensor,
+        slots: list[int],
+        positions: list[int],
+        selected: list[int],
+        steps: list[int],
+        draft_ids: Tensor,
+        next_features: Tensor,
+        next_logits: Tensor,
+    ) -> list[list[int]]:
+        """A round's greedy drafting in one call: the draft-extend (`step` with taps), whose
+        selected outputs become their slots' rows of `next_features` and `next_logits` (float32,
+        by slot), then each selected row's chain as `chain` drafts it, `steps[r]` steps after the
+        first draft. Each row's drafts, its first included."""
+        count, rows, width = len(tokens), len(selected), max(steps) + 1
+        taps = taps.float().contiguous()
+        ids = (ctypes.c_int64 * count)(*tokens)
+        meta = (_i32 * (2 * count + 2 * rows))(*slots, *positions, *selected, *steps)
+        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        drafts = torch.zeros(rows, width, dtype=torch.long)
+        failed = self.lib.adaspec_eagle3_round(
+            ctypes.byref(self.model),
+            self.hidden_norm,
+            int(self.norm_before_residual),
+            ctypes.byref(self.fc),
+            ctypes.byref(self._cache(cache)),
+            count,
+            ctypes.addressof(ids),
+            taps.data_ptr(),
+            ctypes.cast(base, ctypes.POINTER(_i32)),
+            ctypes.cast(base + size * count, ctypes.POINTER(_i32)),
+            rows,
+            ctypes.cast(base + 2 * size * count, ctypes.POINTER(_i32)),
+            ctypes.cast(base + size * (2 * count + rows), ctypes.POINTER(_i32)),
+            draft_ids.contiguous().data_ptr(),
+            next_features.data_ptr(),
+            next_logits.data_ptr(),
+            drafts.data_ptr(),
+            width,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the compiled EAGLE-3 round could not allocate its activations")
+        return [row[: n + 1] for row, n in zip(drafts.tolist(), steps)]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from engine.config import CheckpointError, Eagle3Config, ModelConfig, eagle3_taps
 from engine.core import Engine
 from engine.drafters import Proposal
-from engine.eagle3 import Eagle3Drafter, Eagle3Model, HybridEagle3Drafter, load_eagle3, save_eagle3
+from engine.eagle3 import Eagle3Drafter, Eagle3Model, Extend, HybridEagle3Drafter, load_eagle3, save_eagle3
 from engine.generate import generate
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
@@ -133,8 +133,8 @@ def test_lookups_in_front_of_the_head_stay_lossless_and_spare_its_steps(pair, tr
     expected = [c.tokens for c in generate(target, PROMPTS, params)]
     drafter = HybridEagle3Drafter(trained_head, target.model, 4, MAX_SEQ_LEN)
     chains, lookups = [], []
-    catch_up, lookup = drafter.catch_up, drafter.lookups.propose
-    drafter.catch_up = lambda seqs: chains.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
+    take_held, lookup = drafter.take_held, drafter.lookups.propose
+    drafter.take_held = lambda seqs: chains.append(len(seqs)) or take_held(seqs)  # type: ignore[method-assign]
     drafter.lookups.propose = lambda *args: lookups.append(lookup(*args)) or lookups[-1]  # type: ignore[method-assign]
     engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
     assert serve_switching(engine, params, seed=4) == expected
@@ -151,9 +151,16 @@ def test_rounds_at_k_0_cost_the_head_nothing_and_drafting_again_catches_up(pair)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = engine_for(target, 2, (0, 3), 0)
     drafter: Eagle3Drafter = engine.drafter  # type: ignore[assignment]
-    steps: list[int] = []
-    step = drafter.step
-    drafter.step = lambda tokens, *a, **kw: steps.append(len(tokens)) or step(tokens, *a, **kw)  # type: ignore[method-assign]
+    steps: list[int] = []  # tokens of each draft-extend the head ran
+    take_held = drafter.take_held
+
+    def counted(seqs: list[Sequence]) -> Extend | None:
+        extend = take_held(seqs)
+        if extend is not None:
+            steps.append(len(extend.tokens))
+        return extend
+
+    drafter.take_held = counted  # type: ignore[method-assign]
     requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
     outputs: dict[str, list[int]] = {r.id: [] for r in requests}
     for r in requests:
@@ -328,6 +335,46 @@ def test_the_compiled_greedy_chain_drafts_what_the_chain_step_by_step_does(pair,
     assert len({tuple(p.tokens) for p in compiled}) == len(seqs)  # the rows drafted their own chains
     for seq, before in zip(seqs, entries):
         assert torch.allclose(drafter.cache.k[0, seq.draft_slot], before, atol=1e-5)
+
+
+def test_a_greedy_round_in_one_call_drafts_what_the_extend_and_the_step_chain_do(pair, trained_head):
+    """On the compiled kernels a greedy round's draft-extend and chains are one call: rows with
+    different k draft exactly the tokens of the extend and the chains called apart (and of the
+    chain run a step at a time from Python), and leave the same next logits, features and cache
+    entries."""
+    target, _ = pair
+    if target.model.native is None:
+        pytest.skip("no compiled kernels here")
+    prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    ks = [7, 3, 1]
+    served = []
+    for one_call in (True, False):
+        drafter = Eagle3Drafter(trained_head, target.model, len(prompts), MAX_SEQ_LEN)
+        assert drafter.rounds_in_one_call
+        cache = target.model.new_cache(len(prompts), MAX_SEQ_LEN)
+        slots = [cache.allocate() for _ in prompts]
+        batch = target.model.batch(cache, slots, [p[:-1] for p in prompts])
+        seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(prompts)]
+        drafter.admit(seqs, target.model(batch, cache, capture=drafter.capture_layers).hidden)
+        if one_call:
+            proposals = drafter.propose(seqs, ks)
+        else:
+            drafter.catch_up(seqs)
+            proposals = [Proposal([]) for _ in seqs]
+            drafter.native_chains(seqs, ks, [0, 1, 2], proposals)
+        after = {name: getattr(drafter, name).clone() for name in ("next_logits", "next_feature")}
+        entries = drafter.cache.k[0].clone()
+        if not one_call:
+            stepped = [Proposal([]) for _ in seqs]
+            drafter.chains(seqs, ks, [0, 1, 2], stepped)  # last: it moves the next logits
+            assert [p.tokens for p in stepped] == [p.tokens for p in proposals]
+        served.append((drafter, [p.tokens for p in proposals], after, entries))
+    (fused, drafts, fused_after, fused_entries), (apart, expected, apart_after, apart_entries) = served
+    assert drafts == expected and [len(d) for d in drafts] == ks
+    for name, value in fused_after.items():
+        assert torch.equal(value, apart_after[name]), name
+    assert fused.cache.lengths == apart.cache.lengths
+    assert torch.equal(fused_entries, apart_entries)
 
 
 @pytest.mark.parametrize("verification", ["block", "token"])
