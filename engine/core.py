@@ -29,6 +29,7 @@ from engine.dflash import DFlashDrafter
 from engine.drafters import Drafter, DraftModelDrafter, Proposal
 from engine.eagle3 import Eagle3Drafter
 from engine.graphs import CallGraphs, ForwardMode, GraphRunner, GraphSet, default_batch_sizes
+from engine.model import Captured
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import next_token
 from engine.verify import CHAIN_RULES, verify
@@ -94,6 +95,8 @@ def rows(hidden: dict[int, Tensor], keep: list[int]) -> dict[int, Tensor]:
     if first is None or len(keep) == first.shape[0]:  # nothing captured, or every row goes on
         return hidden
     index = torch.tensor(keep, dtype=torch.long, device=first.device)
+    if isinstance(hidden, Captured):
+        return hidden.rows(index)
     return {layer: h.index_select(0, index) for layer, h in hidden.items()}
 
 

@@ -32,7 +32,7 @@ from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflas
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Rotary, Transformer, apply_rope
+from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side
 from engine.native import NativeDFlash
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
@@ -241,7 +241,7 @@ class DFlashDrafter:
     def _extend(self, seqs: Seq[Sequence], counts: Seq[int], hidden: dict[int, Tensor]) -> None:
         """The first counts[r] tapped hidden states of row r (`hidden`: per tap [rows, width, H])
         become the context of seqs[r] at its next positions, all rows in one call."""
-        taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)
+        taps = side_by_side(hidden, self.capture_layers)
         graphs = self.extend_graphs.get(taps.shape[1])
         if graphs is not None and seqs:
             rows = [[self.cache.lengths[seq.draft_slot], count, seq.draft_slot] for seq, count in zip(seqs, counts)]

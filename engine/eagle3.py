@@ -39,7 +39,7 @@ from engine.config import Eagle3Config, check_weights, eagle3_taps, inspect_eagl
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Rotary, Transformer, apply_rope
+from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side
 from engine.native import NativeEagle3
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
@@ -201,7 +201,8 @@ class Eagle3Drafter:
         self.next_logits = torch.zeros(max_batch_size, config.draft_vocab_size, dtype=param.dtype, device=param.device)
         self.draft_ids = model.draft_to_target()
         self.next_feature = torch.zeros(max_batch_size, config.hidden_size, dtype=param.dtype, device=param.device)
-        self.waiting: dict[int, list[Tensor]] = {}  # per slot: tapped hidden states not yet entries
+        # Per slot: tapped hidden states not yet entries, as (taps, row, count): row's first count.
+        self.waiting: dict[int, list[tuple[Tensor, int, int]]] = {}
         # Chain-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: CallGraphs | None = None
         # Greedy chains of k drafts whole, one set per k, captured with state k (`capture_chain`).
@@ -223,10 +224,10 @@ class Eagle3Drafter:
     def hold(self, seqs: Seq[Sequence], counts: Seq[int], hidden: dict[int, Tensor]) -> None:
         """Keep row r's first counts[r] tapped hidden states (`hidden`: per tap [rows, width, H])
         until seqs[r] next drafts: a sequence served at k = 0 costs the head nothing."""
-        taps = torch.cat([hidden[i] for i in self.capture_layers], dim=-1)  # a copy: the forward's buffers move on
+        taps = side_by_side(hidden, self.capture_layers)  # never a graph's buffer, which its next replay overwrites
         for row, (seq, count) in enumerate(zip(seqs, counts)):
             if count > 0:
-                self.waiting.setdefault(seq.draft_slot, []).append(taps[row, :count])
+                self.waiting.setdefault(seq.draft_slot, []).append((taps, row, count))
 
     def take_held(self, seqs: Seq[Sequence]) -> Extend | None:
         """The draft-extend that makes the held hidden states of `seqs` entries at their next
@@ -236,14 +237,16 @@ class Eagle3Drafter:
             held = self.waiting.pop(seq.draft_slot, None)
             if not held:
                 continue
-            start, count = self.cache.lengths[seq.draft_slot], sum(len(t) for t in held)
+            start, count = self.cache.lengths[seq.draft_slot], sum(n for _, _, n in held)
             slots += [seq.draft_slot] * count
             positions += range(start, start + count)
             tokens += seq.tokens[start + 1 : start + count + 1]  # position p reads token p + 1
-            pieces += held
+            pieces += [taps[row, :n] for taps, row, n in held]
             selected.append(len(slots) - 1)
             self.cache.lengths[seq.draft_slot] = start + count
-        return Extend(tokens, torch.cat(pieces), slots, positions, selected) if slots else None
+        if not slots:
+            return None
+        return Extend(tokens, pieces[0] if len(pieces) == 1 else torch.cat(pieces), slots, positions, selected)
 
     @torch.inference_mode()
     def catch_up(self, seqs: Seq[Sequence]) -> None:

@@ -80,6 +80,8 @@ typedef struct {
     int32_t block;           /* a row's new tokens all see each other (DFlash's block), not causally */
     int32_t out_first, out_count; /* out_count > 0: logits of each row's tokens out_first.. only
                                    * ([rows, out_count, vocab]; every row has that many) */
+    int64_t captured_stride; /* floats from one token's captured row to the next (0: hidden), so that
+                              * the captured layers can sit side by side in one tensor */
 } Batch;
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -465,11 +467,13 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
             linear_glu(h, tokens, &layer->gate_up, act, inter, widened);
             linear(act, tokens, &layer->down, x, hidden, NULL, 1, widened);
 
+            const int64_t captured_stride = b->captured_stride > 0 ? b->captured_stride : hidden;
             for (int c = 0; c < b->num_captured; c++) {
                 if (b->captured_layers[c] != l) continue;
 #pragma omp for schedule(static)
                 for (int t = 0; t < tokens; t++)
-                    memcpy(b->captured[c] + padded[t] * hidden, x + (int64_t)t * hidden, sizeof(float) * (size_t)hidden);
+                    memcpy(b->captured[c] + padded[t] * captured_stride, x + (int64_t)t * hidden,
+                           sizeof(float) * (size_t)hidden);
             }
         }
 

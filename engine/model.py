@@ -225,6 +225,30 @@ class ForwardOutput:
     hidden: dict[int, Tensor]  # layer index -> that layer's output [B, T, D]
 
 
+class Captured(dict):
+    """Captured hidden states written side by side in one tensor, `joined` ([B, T, layers * D],
+    in the order of `layers`, repeats dropped), each layer's entry a view of it: a drafter that
+    fuses the layers (`side_by_side`) then reads them without a copy."""
+
+    def __init__(self, joined: Tensor, layers: Sequence[int]) -> None:
+        self.layers = tuple(dict.fromkeys(layers))
+        width = joined.shape[-1] // len(self.layers)
+        super().__init__({layer: joined[..., i * width : (i + 1) * width] for i, layer in enumerate(self.layers)})
+        self.joined = joined
+
+    def rows(self, index: Tensor) -> Captured:
+        return Captured(self.joined.index_select(0, index), self.layers)
+
+
+def side_by_side(hidden: dict[int, Tensor], layers: Sequence[int]) -> Tensor:
+    """The hidden states of `layers` concatenated on their last dimension: the forward's own tensor
+    where it wrote them so (`Captured`, on the compiled kernels, whose outputs are new each call),
+    otherwise a copy (a graph's outputs are overwritten by its next replay)."""
+    if isinstance(hidden, Captured) and hidden.layers == tuple(layers):
+        return hidden.joined
+    return torch.cat([hidden[i] for i in layers], dim=-1)
+
+
 class DerivedCopy:
     """A module mixin for a copy made from the parameters (the attribute named `derived`): moving,
     converting or loading them drops it, so that nothing runs from stale weights."""

@@ -113,6 +113,7 @@ class _Batch(ctypes.Structure):
         ("block", _i32),
         ("out_first", _i32),
         ("out_count", _i32),
+        ("captured_stride", ctypes.c_int64),
     ]
 
 
@@ -393,6 +394,12 @@ def _run(
     row_bytes = ctypes.sizeof(_i32) * rows
     layers = (_i32 * len(hidden))(*hidden)
     addresses = (_ptr * len(hidden))(*[t.data_ptr() for t in hidden.values()])
+    # Every captured tensor is [rows, width, hidden] with its tokens `stride` floats apart: its own
+    # tensor, or a view of one that holds the layers side by side (`Captured`).
+    strides = {t.stride(1) for t in hidden.values()}
+    if len(strides) > 1 or any(t.stride(2) != 1 or t.stride(0) != width * t.stride(1) for t in hidden.values()):
+        raise ValueError("captured hidden states must share one layout, [rows, width, hidden] with tokens evenly apart")
+    stride = strides.pop() if strides else 0
     base = ctypes.addressof(meta)
     call = _Batch(
         rows,
@@ -409,6 +416,7 @@ def _run(
         torch.get_num_threads(),
         int(block),
         *outputs,
+        stride,
     )
     if lib.adaspec_forward(ctypes.byref(model), ctypes.byref(cache), ctypes.byref(call)):
         raise MemoryError("the compiled forward could not allocate its activations")
@@ -458,7 +466,7 @@ class NativeForward:
     def __call__(
         self, batch: Batch, cache: KVCache, last_only: bool = False, capture: tuple[int, ...] | list[int] = ()
     ) -> ForwardOutput:
-        from engine.model import ForwardOutput, TokenBatch
+        from engine.model import Captured, ForwardOutput, TokenBatch
 
         if isinstance(batch, TokenBatch):
             slots, counts = batch.slots, [len(t) for t in batch.new_tokens]
@@ -474,7 +482,7 @@ class NativeForward:
         new = torch.zeros if ragged else torch.empty  # padded places stay zero, as the PyTorch path leaves them
         vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
         logits = torch.empty(rows, 1, vocab) if last_only else new(rows, width, vocab)
-        hidden = {layer: new(rows, width, hidden_size) for layer in capture}
+        hidden = Captured(new(rows, width, len(set(capture)) * hidden_size), capture) if capture else {}
         starts = [cache.lengths[s] for s in slots]
         _run(
             self.lib,

@@ -14,7 +14,7 @@ import torch
 
 from engine import native
 from engine.checkpoint import load_checkpoint
-from engine.model import ForwardBatch
+from engine.model import Captured, ForwardBatch, side_by_side
 from tests.conftest import DEFAULT_TARGET, ROOT, save_tiny, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.problem()}")
@@ -120,3 +120,33 @@ def test_without_the_kernels_models_run_on_pytorch_operators(tmp_path, env):
     if "CC" in env:
         assert "compiled CPU kernels are unavailable (the C compiler 'false' does not run" in done.stderr
     assert not list(Path(tmp_path / "cache").glob("*.so"))
+
+
+@torch.inference_mode()
+def test_captured_layers_come_side_by_side_in_one_tensor_as_the_operators_compute_them(target, monkeypatch):
+    """A ragged verify capturing taps (one repeated) writes them into one tensor, each layer's entry
+    a view of it; `side_by_side` hands that tensor over without a copy, and its values are the
+    PyTorch operators' own (padding rows zero); keeping some rows keeps them side by side."""
+    model = target.model
+    prompts, steps, taps = [list(range(10, 70)), list(range(5, 30))], [[3, 4, 5, 6], [7]], (1, 4, 4, 6)
+    captured = {}
+    for name in ("compiled", "operators"):
+        if name == "operators":
+            monkeypatch.setattr(model, "native", None)
+        cache = model.new_cache(2, 128)
+        slots = [cache.allocate() for _ in prompts]
+        forward(model, cache, slots, prompts, last_only=True)
+        captured[name] = forward(model, cache, slots, steps, capture=taps).hidden
+    compiled, operators = captured["compiled"], captured["operators"]
+    assert isinstance(compiled, Captured) and compiled.layers == (1, 4, 6)
+    joined = side_by_side(compiled, (1, 4, 6))
+    assert joined.data_ptr() == compiled[1].data_ptr() and joined.shape == (2, 4, 3 * model.config.hidden_size)
+    expected = torch.cat([operators[i] for i in (1, 4, 6)], dim=-1)
+    torch.testing.assert_close(joined[0], expected[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(joined[1, :1], expected[1, :1], atol=1e-4, rtol=0)
+    assert not joined[1, 1:].any()  # past the short row's one token
+    repeated = side_by_side(compiled, taps)  # not the order written: a copy, as the drafter asked
+    width = model.config.hidden_size
+    assert repeated.data_ptr() != joined.data_ptr() and torch.equal(repeated[..., -width:], joined[..., -width:])
+    kept = compiled.rows(torch.tensor([1]))
+    assert torch.equal(side_by_side(kept, (1, 4, 6)), joined[1:])
