@@ -329,7 +329,7 @@ class Engine:
         if out is None:
             batch = self.model.batch(self.cache, slots, tokens)
             out = self.model(batch, self.cache, capture=self.capture_layers)
-        return verify(out.logits, seqs, proposals, self.verification), out.hidden
+        return verify(out.logits, seqs, proposals, self.verification, out.argmax), out.hidden
 
     def accept(
         self,

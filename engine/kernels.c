@@ -82,6 +82,7 @@ typedef struct {
                                    * ([rows, out_count, vocab]; every row has that many) */
     int64_t captured_stride; /* floats from one token's captured row to the next (0: hidden), so that
                               * the captured layers can sit side by side in one tensor */
+    int64_t *argmax;         /* NULL, or per row of logits written its argmax (laid out as they are) */
 } Batch;
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -357,6 +358,38 @@ static float *take(float **arena, int64_t n) {
 }
 
 /* Runs the forward; returns 0, or -1 when memory for the activations could not be had. */
+/* The first index of the largest value, as torch.argmax (a NaN counts as the largest). Each lane
+ * keeps its own first largest and where it was; the lanes are merged at the end. */
+static int argmax(const float *row, int n) {
+    int best = 0, v = 0;
+    if (n >= 16) {
+        vf top = *(const vf_unaligned *)row;
+        vi at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, here = at, nan = top != top;
+        for (v = 16; v + 16 <= n; v += 16) {
+            const vf x = *(const vf_unaligned *)(row + v);
+            here += 16;
+            const vi larger = x > top;
+            top = pick(larger, x, top);
+            at = (here & larger) | (at & ~larger);
+            nan |= x != x;
+        }
+        int any_nan = 0;
+        for (int lane = 0; lane < 16; lane++) any_nan |= nan[lane];
+        if (any_nan) {
+            for (int i = 0; i < n; i++)
+                if (row[i] != row[i]) return i;
+        }
+        best = at[0];
+        for (int lane = 1; lane < 16; lane++)
+            if (top[lane] > row[best] || (top[lane] == row[best] && at[lane] < best)) best = at[lane];
+    }
+    for (; v < n; v++) {
+        if (row[v] != row[v]) return v;
+        if (row[v] > row[best]) best = v;
+    }
+    return best;
+}
+
 int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     const int hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
     const int q_size = heads * dim, qkv_size = (heads + 2 * kv_heads) * dim, inter = m->intermediate;
@@ -480,6 +513,12 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         for (int s = 0; s < outputs; s++)
             rms_norm(x + selected[s] * hidden, m->norm, hidden, m->eps, h + (int64_t)s * hidden);
         linear(h, outputs, &m->lm_head, b->logits, m->vocab, out_row, 0, widened);
+        /* Greedy verification reads the argmax: here, while the logits are in the caches, instead
+         * of a reduction from Python after the call returns. */
+        if (b->argmax) {
+#pragma omp for schedule(static)
+            for (int s = 0; s < outputs; s++) b->argmax[out_row[s]] = argmax(b->logits + out_row[s] * m->vocab, m->vocab);
+        }
     }
     free(arena);
     free(where);
@@ -637,14 +676,6 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, int norm_befor
     }
     free(arena);
     return 0;
-}
-
-/* The first index of the largest value, as torch.argmax. */
-static int argmax(const float *row, int n) {
-    int best = 0;
-    for (int v = 1; v < n; v++)
-        if (row[v] > row[best]) best = v;
-    return best;
 }
 
 /* Greedy EAGLE-3 chains for `rows` sequences in one call: what a chain step by step from Python

@@ -223,6 +223,7 @@ def visible_keys(query_pos: Tensor, key_pos: Tensor, sliding_window: int | None)
 class ForwardOutput:
     logits: Tensor  # [B, T, V], or [B, 1, V] with last_only
     hidden: dict[int, Tensor]  # layer index -> that layer's output [B, T, D]
+    argmax: Tensor | None = None  # logits.argmax(-1) where the forward computed it (the compiled kernels)
 
 
 class Captured(dict):

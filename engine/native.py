@@ -114,6 +114,7 @@ class _Batch(ctypes.Structure):
         ("out_first", _i32),
         ("out_count", _i32),
         ("captured_stride", ctypes.c_int64),
+        ("argmax", _ptr),
     ]
 
 
@@ -387,6 +388,7 @@ def _run(
     last_only: bool = False,
     block: bool = False,
     outputs: tuple[int, int] = (0, 0),  # first and count of each row's tokens with logits (count 0: all)
+    argmax: Tensor | None = None,  # int64, laid out as logits without its last dimension
 ) -> None:
     rows, width, address = tokens
     slots, starts, counts = rows_meta
@@ -417,6 +419,7 @@ def _run(
         int(block),
         *outputs,
         stride,
+        argmax.data_ptr() if argmax is not None else None,
     )
     if lib.adaspec_forward(ctypes.byref(model), ctypes.byref(cache), ctypes.byref(call)):
         raise MemoryError("the compiled forward could not allocate its activations")
@@ -482,6 +485,7 @@ class NativeForward:
         new = torch.zeros if ragged else torch.empty  # padded places stay zero, as the PyTorch path leaves them
         vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
         logits = torch.empty(rows, 1, vocab) if last_only else new(rows, width, vocab)
+        argmax = torch.zeros(logits.shape[:-1], dtype=torch.long)  # a padded place's zero logits: 0
         hidden = Captured(new(rows, width, len(set(capture)) * hidden_size), capture) if capture else {}
         starts = [cache.lengths[s] for s in slots]
         _run(
@@ -493,10 +497,11 @@ class NativeForward:
             logits,
             hidden,
             last_only,
+            argmax=argmax,
         )
         for slot, n in zip(slots, counts):
             cache.lengths[slot] += n
-        return ForwardOutput(logits=logits, hidden=hidden)
+        return ForwardOutput(logits=logits, hidden=hidden, argmax=argmax)
 
     def greedy_chain(
         self, cache: KVCache, slots: list[int], inputs: list[list[int]], drafts: list[int]

@@ -29,15 +29,22 @@ from engine.sampling import sample, target_probs
 
 
 def verify(
-    logits: Tensor, seqs: Seq[Sequence], proposals: Seq[Proposal], verification: str = "block"
+    logits: Tensor,
+    seqs: Seq[Sequence],
+    proposals: Seq[Proposal],
+    verification: str = "block",
+    argmax: Tensor | None = None,
 ) -> list[list[int]]:
     """For each sequence, the drafts it keeps followed by the target's own token.
 
     `logits[i, j]` is the target's prediction after the pending token and the first j drafts;
-    `verification` ("block" or "token") is how sampled chains are judged.
+    `verification` ("block" or "token") is how sampled chains are judged; `argmax`, where the
+    forward computed it, is `logits.argmax(-1)`.
     """
     accept_chain = CHAIN_RULES[verification]
-    greedy_rows = logits.argmax(dim=-1).tolist() if any(s.params.greedy for s in seqs) else None
+    greedy_rows = None
+    if any(s.params.greedy for s in seqs):
+        greedy_rows = (argmax if argmax is not None else logits.argmax(dim=-1)).tolist()
     emitted = []
     for row, (seq, proposal) in enumerate(zip(seqs, proposals)):
         if seq.params.greedy:

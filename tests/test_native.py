@@ -150,3 +150,18 @@ def test_captured_layers_come_side_by_side_in_one_tensor_as_the_operators_comput
     assert repeated.data_ptr() != joined.data_ptr() and torch.equal(repeated[..., -width:], joined[..., -width:])
     kept = compiled.rows(torch.tensor([1]))
     assert torch.equal(side_by_side(kept, (1, 4, 6)), joined[1:])
+
+
+@torch.inference_mode()
+def test_the_forward_hands_greedy_verification_each_rows_argmax(target):
+    """The compiled forward computes the argmax greedy verification reads, as torch.argmax would
+    over its logits: a ragged batch (padding places' zero logits give 0) and last-token logits."""
+    model = target.model
+    cache = model.new_cache(3, 256)
+    slots = [cache.allocate() for _ in range(3)]
+    prompts = [list(range(10, 10 + n)) for n in (40, 7, 90)]
+    first = forward(model, cache, slots, prompts, last_only=True)
+    assert first.argmax is not None and torch.equal(first.argmax, first.logits.argmax(dim=-1))
+    out = forward(model, cache, slots, [[3, 4, 5, 6, 7, 8], [9], [10, 11, 12]])
+    assert out.argmax.shape == (3, 6) and torch.equal(out.argmax, out.logits.argmax(dim=-1))
+    assert not out.argmax[1, 1:].any()  # padding
