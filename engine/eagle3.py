@@ -163,7 +163,8 @@ def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
 
 class Extend(NamedTuple):
     """A draft-extend: tokens[t] beside the target's taps[t] become entries of slots[t] at
-    positions[t]; the `selected` ones (each sequence's last) finish the layer."""
+    positions[t]; the `selected` ones (each sequence's last) finish the layer. In the order of
+    `Eagle3Drafter.step`'s arguments."""
 
     tokens: list[int]
     taps: Tensor
@@ -254,7 +255,7 @@ class Eagle3Drafter:
         sequence in one step (the draft-extend); each sequence's last one gives its next draft."""
         extend = self.take_held(seqs)
         if extend is not None:
-            self.step(extend.tokens, extend.taps, extend.slots, extend.positions, extend.selected, taps=True)
+            self.step(*extend, taps=True)
 
     def draft(self, slots: list[int], tokens: list[int], step: int) -> Tensor:
         """One draft step: each slot's chain entry `step` past its verified ones, reading the token
@@ -381,7 +382,7 @@ class Eagle3Drafter:
             self.native_round(seqs, ks, active, extend, proposals)
             return proposals
         if extend is not None:
-            self.step(extend.tokens, extend.taps, extend.slots, extend.positions, extend.selected, taps=True)
+            self.step(*extend, taps=True)
         if greedy and self.native is not None and self.graphs is None:
             # Greedy chains run whole in the kernels: a step from Python costs a third again of its arithmetic.
             self.native_chains(seqs, ks, greedy, proposals)
@@ -397,8 +398,7 @@ class Eagle3Drafter:
     ) -> None:
         """The draft-extend and the greedy chains of seqs[rows] in one call to the compiled kernels."""
         assert self.native is not None
-        starts = [self.cache.lengths[seqs[i].draft_slot] for i in rows]
-        steps = [max(0, min(ks[i] - 1, self.cache.max_seq_len - start)) for i, start in zip(rows, starts)]
+        steps = self.chain_steps(ks, rows, [self.cache.lengths[seqs[i].draft_slot] for i in rows])
         drafts = self.native.round(
             self.cache,
             extend.tokens,
@@ -414,13 +414,17 @@ class Eagle3Drafter:
         for i, tokens in zip(rows, drafts):
             proposals[i].tokens = tokens
 
+    def chain_steps(self, ks: Seq[int], rows: list[int], starts: list[int]) -> list[int]:
+        """Steps after the first draft of each row's compiled chain, as the step-by-step chain
+        takes them: ks[i] - 1, while the cache has room past the row's `starts` entries."""
+        return [max(0, min(ks[i] - 1, self.cache.max_seq_len - start)) for i, start in zip(rows, starts)]
+
     def native_chains(self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]) -> None:
         """Greedy chains for seqs[rows], each in one call to the compiled kernels."""
         assert self.native is not None
         slots = [seqs[i].draft_slot for i in rows]
         starts = [self.cache.lengths[s] for s in slots]
-        # As the step-by-step chain: ks[i] - 1 steps after the first draft, while the cache has room.
-        steps = [max(0, min(ks[i] - 1, self.cache.max_seq_len - start)) for i, start in zip(rows, starts)]
+        steps = self.chain_steps(ks, rows, starts)
         first = self.draft_ids[self.next_logits[slots].argmax(dim=-1)].tolist()
         drafts = self.native.chain(self.cache, slots, starts, steps, first, self.next_feature[slots], self.draft_ids)
         for i, tokens in zip(rows, drafts):

@@ -357,7 +357,6 @@ static float *take(float **arena, int64_t n) {
     return p;
 }
 
-/* Runs the forward; returns 0, or -1 when memory for the activations could not be had. */
 /* The first index of the largest value, as torch.argmax (a NaN counts as the largest). Each lane
  * keeps its own first largest and where it was; the lanes are merged at the end. */
 static int argmax(const float *row, int n) {
@@ -390,6 +389,7 @@ static int argmax(const float *row, int n) {
     return best;
 }
 
+/* Runs the forward; returns 0, or -1 when memory for the activations could not be had. */
 int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     const int hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
     const int q_size = heads * dim, qkv_size = (heads + 2 * kv_heads) * dim, inter = m->intermediate;

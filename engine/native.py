@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -44,6 +44,17 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
 _i32 = ctypes.c_int32
 _ptr = ctypes.c_void_p
+
+
+def _int32_lists(*lists: Sequence[int]) -> tuple[ctypes.Array, list[Any]]:
+    """The lists packed into one int32 buffer, and a pointer to each list in it; the caller keeps
+    the buffer alive while the kernels read it."""
+    buffer = (_i32 * sum(len(values) for values in lists))(*itertools.chain.from_iterable(lists))
+    address, pointers = ctypes.addressof(buffer), []
+    for values in lists:
+        pointers.append(ctypes.cast(address, ctypes.POINTER(_i32)))
+        address += ctypes.sizeof(_i32) * len(values)
+    return buffer, pointers
 
 
 class _Linear(ctypes.Structure):
@@ -243,19 +254,10 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.adaspec_eagle3_chain.restype = ctypes.c_int
+    # The step's arguments up to `selected`, then the chains' steps, the vocabulary map, the next
+    # features and logits, the drafts and their width, and the threads.
     lib.adaspec_eagle3_round.argtypes = [
-        ctypes.POINTER(_Model),
-        _ptr,
-        ctypes.c_int,
-        ctypes.POINTER(_Linear),
-        ctypes.POINTER(_Cache),
-        ctypes.c_int,
-        _ptr,
-        _ptr,
-        ctypes.POINTER(_i32),
-        ctypes.POINTER(_i32),
-        ctypes.c_int,
-        ctypes.POINTER(_i32),
+        *lib.adaspec_eagle3_step.argtypes[:12],
         ctypes.POINTER(_i32),
         _ptr,
         _ptr,
@@ -392,8 +394,7 @@ def _run(
 ) -> None:
     rows, width, address = tokens
     slots, starts, counts = rows_meta
-    meta = (_i32 * (3 * rows))(*slots, *starts, *counts)
-    row_bytes = ctypes.sizeof(_i32) * rows
+    meta, per_row = _int32_lists(slots, starts, counts)
     layers = (_i32 * len(hidden))(*hidden)
     addresses = (_ptr * len(hidden))(*[t.data_ptr() for t in hidden.values()])
     # Every captured tensor is [rows, width, hidden] with its tokens `stride` floats apart: its own
@@ -402,14 +403,11 @@ def _run(
     if len(strides) > 1 or any(t.stride(2) != 1 or t.stride(0) != width * t.stride(1) for t in hidden.values()):
         raise ValueError("captured hidden states must share one layout, [rows, width, hidden] with tokens evenly apart")
     stride = strides.pop() if strides else 0
-    base = ctypes.addressof(meta)
     call = _Batch(
         rows,
         width,
         address,
-        ctypes.cast(base, ctypes.POINTER(_i32)),
-        ctypes.cast(base + row_bytes, ctypes.POINTER(_i32)),
-        ctypes.cast(base + 2 * row_bytes, ctypes.POINTER(_i32)),
+        *per_row,
         int(last_only),
         logits.data_ptr(),
         len(hidden),
@@ -512,8 +510,7 @@ class NativeForward:
         rows, width = len(slots), max(len(t) for t in inputs)
         tokens = _padded_tokens(inputs, width)
         starts = [cache.lengths[s] for s in slots]
-        meta = (_i32 * (4 * rows))(*slots, *starts, *[len(t) for t in inputs], *drafts)
-        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        meta, per_row = _int32_lists(slots, starts, [len(t) for t in inputs], drafts)
         out = torch.zeros(rows, max(drafts), dtype=torch.long)
         failed = self.lib.adaspec_greedy_chain(
             ctypes.byref(self.model),
@@ -521,7 +518,7 @@ class NativeForward:
             rows,
             width,
             ctypes.addressof(tokens),
-            *[ctypes.cast(base + i * size * rows, ctypes.POINTER(_i32)) for i in range(4)],
+            *per_row,
             out.data_ptr(),
             out.shape[1],
             torch.get_num_threads(),
@@ -584,16 +581,14 @@ class NativeDFlash:
         """Token t of `taps` ([tokens, taps * hidden], float32) becomes context of `slots[t]` at `positions[t]`."""
         tokens = len(slots)
         taps = taps.contiguous()
-        meta = (_i32 * (2 * tokens))(*slots, *positions)
-        base = ctypes.addressof(meta)
+        meta, per_token = _int32_lists(slots, positions)
         failed = self.lib.adaspec_dflash_context(
             ctypes.byref(self.model),
             ctypes.byref(self.context_struct),
             ctypes.byref(self._cache(cache)),
             tokens,
             taps.data_ptr(),
-            ctypes.cast(base, ctypes.POINTER(_i32)),
-            ctypes.cast(base + ctypes.sizeof(_i32) * tokens, ctypes.POINTER(_i32)),
+            *per_token,
             torch.get_num_threads(),
         )
         if failed:
@@ -686,8 +681,7 @@ class NativeEagle3:
         count, outputs = len(tokens), len(selected)
         features = features.float().contiguous()
         ids = (ctypes.c_int64 * count)(*tokens)
-        meta = (_i32 * (2 * count + outputs))(*slots, *positions, *selected)
-        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        meta, (slot, position, chosen) = _int32_lists(slots, positions, selected)
         out = torch.empty(outputs, self.hidden_size)
         logits = torch.empty(outputs, self.draft_vocab)
         failed = self.lib.adaspec_eagle3_step(
@@ -699,10 +693,10 @@ class NativeEagle3:
             count,
             ctypes.addressof(ids),
             features.data_ptr(),
-            ctypes.cast(base, ctypes.POINTER(_i32)),
-            ctypes.cast(base + size * count, ctypes.POINTER(_i32)),
+            slot,
+            position,
             outputs,
-            ctypes.cast(base + 2 * size * count, ctypes.POINTER(_i32)),
+            chosen,
             out.data_ptr(),
             logits.data_ptr(),
             torch.get_num_threads(),
@@ -729,17 +723,14 @@ class NativeEagle3:
         tokens = torch.zeros(rows, width, dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
         features = features.float().contiguous().clone()  # the kernel overwrites it step by step
-        meta = (_i32 * (3 * rows))(*slots, *starts, *steps)
-        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        meta, per_row = _int32_lists(slots, starts, steps)
         failed = self.lib.adaspec_eagle3_chain(
             ctypes.byref(self.model),
             self.hidden_norm,
             int(self.norm_before_residual),
             ctypes.byref(self._cache(cache)),
             rows,
-            ctypes.cast(base, ctypes.POINTER(_i32)),
-            ctypes.cast(base + size * rows, ctypes.POINTER(_i32)),
-            ctypes.cast(base + 2 * size * rows, ctypes.POINTER(_i32)),
+            *per_row,
             draft_ids.contiguous().data_ptr(),
             features.data_ptr(),
             tokens.data_ptr(),
@@ -770,8 +761,7 @@ class NativeEagle3:
         count, rows, width = len(tokens), len(selected), max(steps) + 1
         taps = taps.float().contiguous()
         ids = (ctypes.c_int64 * count)(*tokens)
-        meta = (_i32 * (2 * count + 2 * rows))(*slots, *positions, *selected, *steps)
-        base, size = ctypes.addressof(meta), ctypes.sizeof(_i32)
+        meta, (slot, position, chosen, chain_steps) = _int32_lists(slots, positions, selected, steps)
         drafts = torch.zeros(rows, width, dtype=torch.long)
         failed = self.lib.adaspec_eagle3_round(
             ctypes.byref(self.model),
@@ -782,11 +772,11 @@ class NativeEagle3:
             count,
             ctypes.addressof(ids),
             taps.data_ptr(),
-            ctypes.cast(base, ctypes.POINTER(_i32)),
-            ctypes.cast(base + size * count, ctypes.POINTER(_i32)),
+            slot,
+            position,
             rows,
-            ctypes.cast(base + 2 * size * count, ctypes.POINTER(_i32)),
-            ctypes.cast(base + size * (2 * count + rows), ctypes.POINTER(_i32)),
+            chosen,
+            chain_steps,
             draft_ids.contiguous().data_ptr(),
             next_features.data_ptr(),
             next_logits.data_ptr(),
