@@ -191,7 +191,8 @@ def build_controller(
     )
 
 
-ENGINE_OVERRIDES = ("verification", "drafter")
+ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization")
+QUANTIZATIONS = ("int8", "none")
 
 
 def drafters_of(modes: list[str]) -> set[str]:
@@ -201,17 +202,20 @@ def drafters_of(modes: list[str]) -> set[str]:
 
 def parse_override(text: str) -> tuple[str, object]:
     """`name=value` of a policy parameter, as in adaptive:measured+exploration=0.01, or of the
-    engine's `verification` or `drafter` (any mode: static:3+verification=token); a list of step
+    engine's `verification`, `drafter` or `draft_quantization` (any mode: static:3+verification=token); a list of step
     counts is written with slashes: candidate_k=0/3/7."""
     name, _, value = text.partition("=")
     if name == "verification" and value in CHAIN_RULES:
         return name, value
     if name == "drafter" and value in DRAFTERS:
         return name, value
+    if name == "draft_quantization" and value in QUANTIZATIONS:
+        return name, value
     if name not in PolicyParams.__dataclass_fields__ or not value:
         raise SystemExit(
             f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
-            f"verification={'|'.join(CHAIN_RULES)} or drafter={'|'.join(DRAFTERS)}"
+            f"verification={'|'.join(CHAIN_RULES)}, drafter={'|'.join(DRAFTERS)} "
+            f"or draft_quantization={'|'.join(QUANTIZATIONS)}"
         )
     if name == "candidate_k":
         try:

@@ -81,26 +81,27 @@ def lookups(settings: EngineSettings) -> dict[str, int]:
 
 def build_drafter(settings: EngineSettings, models: Models, batch: int, seq_len: int) -> Drafter | None:
     """The drafter [engine] names, on the loaded models; None for drafter = "none"."""
+    quantize = settings.draft_quantization == "int8"
     if settings.drafter in DFLASH_KINDS:
         if models.dflash is None:
             raise ValueError(
                 f"drafter {settings.drafter} needs a DFlash checkpoint (engine.dflash = {settings.dflash})"
             )
         if settings.drafter == "dflash":
-            return DFlashDrafter(models.dflash, models.target.model, batch, seq_len)
-        return HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, **lookups(settings))
+            return DFlashDrafter(models.dflash, models.target.model, batch, seq_len, quantize)
+        return HybridDFlashDrafter(models.dflash, models.target.model, batch, seq_len, quantize, **lookups(settings))
     if settings.drafter in EAGLE3_KINDS:
         if models.eagle3 is None:
             raise ValueError(f"drafter {settings.drafter} needs an EAGLE-3 head (engine.eagle3 = {settings.eagle3})")
         if settings.drafter == "eagle3":
-            return Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len)
-        return HybridEagle3Drafter(models.eagle3, models.target.model, batch, seq_len, **lookups(settings))
+            return Eagle3Drafter(models.eagle3, models.target.model, batch, seq_len, quantize)
+        return HybridEagle3Drafter(models.eagle3, models.target.model, batch, seq_len, quantize, **lookups(settings))
     return make_drafter(
         settings.drafter,
         models.draft,
         batch,
         seq_len,
-        quantize=settings.draft_quantization == "int8",
+        quantize=quantize,
         ngram_min=settings.ngram_min,
         ngram_max=settings.ngram_max,
         lookup_history=settings.lookup_history,

@@ -189,11 +189,14 @@ def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
 
 
 class DFlashDrafter:
-    """The drafter protocol (engine/drafters.py) over a DFlash model and its context cache."""
+    """The drafter protocol (engine/drafters.py) over a DFlash model and its context cache; on the
+    compiled CPU kernels its linear weights are int8 with `quantize`."""
 
     name = "dflash"
 
-    def __init__(self, model: DFlashModel, target: Transformer, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, model: DFlashModel, target: Transformer, max_batch_size: int, max_seq_len: int, quantize: bool = False
+    ) -> None:
         self.model = model
         self.target = target
         self.config = model.config
@@ -203,7 +206,7 @@ class DFlashDrafter:
         # keys position-minor); the block's keys and values are written past the context, hence the room.
         lib = native.library() if target.native is not None and native.available(param.device, param.dtype) else None
         positions = max_seq_len + self.config.block_size
-        self.native = NativeDFlash(model, target, lib, positions + 1) if lib and target.native else None
+        self.native = NativeDFlash(model, target, lib, positions + 1, int8=quantize) if lib and target.native else None
         # One "layer" of the cache per draft layer: the context keys and values it attends to.
         self.cache = KVCache(
             self.config.num_layers,

@@ -16,6 +16,7 @@ verify (EAGLE- and DFlash-style drafters); the draft-model and n-gram drafters n
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -31,6 +32,7 @@ from engine.config import CheckpointError
 from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
 from engine.model import Transformer
+from engine.native import NativeForward
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -130,7 +132,13 @@ class Int8Linear(nn.Module):
 
 
 def int8_linears(model: Transformer) -> Transformer:
-    """A copy of `model` whose linear layers run with dynamic int8 quantization (CPU kernels)."""
+    """`model` with its linear layers' weights in int8: on the compiled CPU kernels, a view of it
+    whose forward reads int8 copies (widened as they are read); else a copy whose linear layers run
+    with PyTorch's dynamic int8 quantization."""
+    if model.native is not None:
+        view = copy.copy(model)  # the parameters are shared; only the forward's copies differ
+        view.native = NativeForward(model, model.native.lib, linears=torch.int8)
+        return view
     quantized = Transformer(model.config, model.max_positions)
     quantized.load_state_dict(model.state_dict())
     quantized.eval().requires_grad_(False)
@@ -154,11 +162,9 @@ class DraftModelDrafter:
     def __init__(self, draft: Checkpoint, max_batch_size: int, max_seq_len: int, quantize: bool = False) -> None:
         self.checkpoint = draft
         # On CPU a draft step streams the draft's weights from memory (the target's evict them
-        # from cache every round): int8 weights are a quarter of the bytes. The draft's precision
-        # only moves the acceptance rate; the target verifies every token. The compiled float32
-        # forward (engine/native.py) beats PyTorch's int8 operators, so it is kept where it runs.
-        cpu_int8 = quantize and draft.device.type == "cpu" and draft.model.native is None
-        self.model = int8_linears(draft.model) if cpu_int8 else draft.model
+        # from cache every round): int8 weights are half the bytes of bfloat16. The draft's
+        # precision only moves the acceptance rate; the target verifies every token.
+        self.model = int8_linears(draft.model) if quantize and draft.device.type == "cpu" else draft.model
         self.cache: KVCache = self.model.new_cache(max_batch_size, max_seq_len)
         # Decode-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
         self.graphs: GraphSet | None = None

@@ -175,17 +175,22 @@ class Extend(NamedTuple):
 
 class Eagle3Drafter:
     """The drafter protocol (engine/drafters.py) over an EAGLE-3 head and its own cache. Beside a
-    target on the compiled CPU kernels the head runs on them too (`native.NativeEagle3`)."""
+    target on the compiled CPU kernels the head runs on them too (`native.NativeEagle3`), its
+    linear weights in int8 with `quantize`, else in bfloat16."""
 
     name = "eagle3"
 
-    def __init__(self, model: Eagle3Model, target: Transformer, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, model: Eagle3Model, target: Transformer, max_batch_size: int, max_seq_len: int, quantize: bool = False
+    ) -> None:
         self.model = model
         self.target = target
         self.capture_layers: tuple[int, ...] = model.taps
         config, param = model.config, model.fc.weight
         lib = native.library() if target.native is not None and native.available(param.device, param.dtype) else None
-        self.native = NativeEagle3(model, target.native, lib, max_seq_len + 1) if lib and target.native else None
+        self.native = (
+            NativeEagle3(model, target.native, lib, max_seq_len + 1, int8=quantize) if lib and target.native else None
+        )
         self.cache = KVCache(
             1,
             max_batch_size,

@@ -18,6 +18,9 @@
  */
 #include <math.h>
 #include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,11 +34,14 @@ typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias
 
 /* A weight [n, k] stored as panels of PANEL output columns, each [k][PANEL] (the last one
  * zero-padded), so that a product streams it from memory exactly once in order. */
+enum { F32, BF16, INT8 }; /* how a Linear's panels are stored */
+
 typedef struct {
-    const void *panels; /* float32, or bfloat16 where `bf16` (widened to float32 as it is read) */
+    const void *panels; /* in `format`: bfloat16 and int8 are widened to float32 as they are read */
     const float *bias;  /* [n] or NULL */
+    const float *scale; /* INT8: [n], each output column's scale (its products are summed, then scaled) */
     int32_t n, k;
-    int32_t bf16;
+    int32_t format;
 } Linear;
 
 typedef struct {
@@ -129,19 +135,34 @@ typedef uint16_t vh __attribute__((vector_size(32), aligned(2), may_alias));
 /* 16 bfloat16 values as float32: a bfloat16 is the top half of a float32's bits. */
 static inline vf widen(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vi) << 16); }
 
-/* rows x PANEL outputs: y[m][j] = sum_i x[m][i] * w[i][j] for i < k, where row i of w starts at
- * w + i * ldw; one multiply-add chain per output in i order, the same whatever `rows` is. */
+typedef int8_t vb __attribute__((vector_size(16), aligned(1), may_alias));
+
+/* 16 int8 values as float32 (exactly). GCC scalarizes the generic conversion, hence the intrinsics. */
+static inline vf widen8(const int8_t *p) {
+#ifdef __AVX512F__
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return __builtin_convertvector(__builtin_convertvector(*(const vb *)p, vi), vf);
+#endif
+}
+
+/* rows x PANEL outputs: y[m][j] = sum_i x[m][i] * w[i][j] for i < k (times scale[j]), where row i
+ * of w starts at w + i * ldw; one multiply-add chain per output in i order, the same whatever
+ * `rows` is. */
 static inline __attribute__((always_inline)) void tile(
-    const int rows, const int bf16, int k, const float *x, int64_t ldx, const void *w, int64_t ldw, const float *bias,
-    int columns, float *const *y, int accumulate) {
+    const int rows, const int format, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
+    const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
     vf acc[TILE_ROWS][4];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};
     for (int i = 0; i < k; i++) {
         vf w0, w1, w2, w3;
-        if (bf16) {
+        if (format == BF16) {
             const uint16_t *wi = (const uint16_t *)w + (int64_t)i * ldw;
             w0 = widen(wi), w1 = widen(wi + 16), w2 = widen(wi + 32), w3 = widen(wi + 48);
+        } else if (format == INT8) {
+            const int8_t *wi = (const int8_t *)w + (int64_t)i * ldw;
+            w0 = widen8(wi), w1 = widen8(wi + 16), w2 = widen8(wi + 32), w3 = widen8(wi + 48);
         } else {
             const float *wi = (const float *)w + (int64_t)i * ldw;
             w0 = *(const vf_unaligned *)wi, w1 = *(const vf_unaligned *)(wi + 16);
@@ -160,45 +181,51 @@ static inline __attribute__((always_inline)) void tile(
         float *out = y[m];
         for (int j = 0; j < columns; j++) {
             float value = acc[m][j >> 4][j & 15];
+            if (scale) value *= scale[j];
             if (bias) value += bias[j];
             out[j] = accumulate ? out[j] + value : value;
         }
     }
 }
 
-#define TILE_CASES(BF16)                                                                                 \
+#define TILE_CASES(FORMAT)                                                                               \
     switch (rows) {                                                                                      \
-        case 1: tile(1, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
-        case 2: tile(2, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
-        case 3: tile(3, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
-        case 4: tile(4, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
-        case 5: tile(5, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                   \
-        default: tile(6, BF16, k, x, ldx, w, ldw, bias, columns, y, accumulate); break;                  \
+        case 1: tile(1, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
+        case 2: tile(2, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
+        case 3: tile(3, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
+        case 4: tile(4, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
+        case 5: tile(5, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
+        default: tile(6, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;         \
     }
 
 /* `tile` for 1 to TILE_ROWS rows, each count compiled with its accumulators in registers. */
-static void tile_rows(int rows, int bf16, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
-                      const float *bias, int columns, float *const *y, int accumulate) {
-    if (bf16) {
-        TILE_CASES(1)
+static void tile_rows(int rows, int format, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
+                      const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
+    if (format == BF16) {
+        TILE_CASES(BF16)
+    } else if (format == INT8) {
+        TILE_CASES(INT8)
     } else {
-        TILE_CASES(0)
+        TILE_CASES(F32)
     }
 }
 
 /* Where panel p of w starts. */
 static const void *panel_at(const Linear *w, int p) {
-    return (const char *)w->panels + (int64_t)p * w->k * PANEL * (w->bf16 ? 2 : 4);
+    const int bytes = w->format == F32 ? 4 : w->format == BF16 ? 2 : 1;
+    return (const char *)w->panels + (int64_t)p * w->k * PANEL * bytes;
 }
 
-/* The panel to multiply by: a bfloat16 panel that serves more than three tiles is widened once
- * into `widened` ([k][PANEL] float32, the thread's own), the same values a tile would widen. */
-static const void *panel_for(const Linear *w, int p, int rows, float *widened, int *bf16) {
+/* The panel to multiply by, and its format: a bfloat16 or int8 panel that serves more than three
+ * tiles is widened once into `widened` ([k][PANEL] float32, the thread's own), the same values a
+ * tile would widen (an int8 panel's still unscaled: the tile scales its sums either way). */
+static const void *panel_for(const Linear *w, int p, int rows, float *widened, int *format) {
     const void *panel = panel_at(w, p);
-    *bf16 = w->bf16 && rows <= 3 * TILE_ROWS;
-    if (!w->bf16 || *bf16) return panel;
-    const uint16_t *in = panel;
-    for (int64_t i = 0; i < (int64_t)w->k * PANEL; i += 16) *(vf_unaligned *)(widened + i) = widen(in + i);
+    *format = rows <= 3 * TILE_ROWS ? w->format : F32;
+    if (w->format == F32 || *format != F32) return panel;
+    for (int64_t i = 0; i < (int64_t)w->k * PANEL; i += 16)
+        *(vf_unaligned *)(widened + i) =
+            w->format == BF16 ? widen((const uint16_t *)panel + i) : widen8((const int8_t *)panel + i);
     return widened;
 }
 
@@ -209,16 +236,17 @@ static void linear(const float *x, int rows, const Linear *w, float *y, int64_t 
     const int panels = (w->n + PANEL - 1) / PANEL;
 #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
-        int bf16;
-        const void *panel = panel_for(w, p, rows, widened, &bf16);
+        int format;
+        const void *panel = panel_for(w, p, rows, widened, &format);
         const int n0 = p * PANEL;
         const int columns = w->n - n0 < PANEL ? w->n - n0 : PANEL;
-        const float *bias = w->bias ? w->bias + n0 : NULL;
+        const float *bias = w->bias ? w->bias + n0 : NULL, *scale = w->scale ? w->scale + n0 : NULL;
         for (int m0 = 0; m0 < rows; m0 += TILE_ROWS) {
             const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
             float *out[TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = y + (index ? index[m0 + m] : m0 + m) * ldy + n0;
-            tile_rows(mr, bf16, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, columns, out, accumulate);
+            tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, scale, bias, columns, out,
+                      accumulate);
         }
     }
 }
@@ -242,15 +270,16 @@ static void linear_glu(const float *x, int rows, const Linear *w, float *act, in
     const int panels = (w->n + PANEL - 1) / PANEL, half = PANEL / 2;
 #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
-        int bf16;
-        const void *panel = panel_for(w, p, rows, widened, &bf16);
+        int format;
+        const void *panel = panel_for(w, p, rows, widened, &format);
         const int n0 = p * half, columns = inter - n0 < half ? inter - n0 : half;
         const float *bias = w->bias ? w->bias + (int64_t)p * PANEL : NULL;
+        const float *scale = w->scale ? w->scale + (int64_t)p * PANEL : NULL;
         for (int m0 = 0; m0 < rows; m0 += TILE_ROWS) {
             const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
             float products[TILE_ROWS][PANEL], *out[TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = products[m];
-            tile_rows(mr, bf16, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, bias, PANEL, out, 0);
+            tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, scale, bias, PANEL, out, 0);
             for (int m = 0; m < mr; m++) {
                 float glu[half];
                 silu_times(products[m], products[m] + half, half, glu);
@@ -335,7 +364,7 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
         }
         for (int b = 0; b <= last / PANEL; b++) {
             for (int r = 0; r < rows; r++) score_rows[r] = s->probs + r * ldp + b * PANEL;
-            tile_rows(rows, 0, dim, s->queries, dim, keys + b * PANEL, positions, NULL, PANEL, score_rows, 0);
+            tile_rows(rows, F32, dim, s->queries, dim, keys + b * PANEL, positions, NULL, NULL, PANEL, score_rows, 0);
         }
         for (int r = 0; r < rows; r++) {
             const int pos = block ? length - 1 : start + (q0 + r) / group;
@@ -346,7 +375,7 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
             float *rows_at[TILE_ROWS];
             for (int r = 0; r < rows; r++) rows_at[r] = out_rows[r] + d;
             const int columns = dim - d < PANEL ? dim - d : PANEL; /* reads past them land in the padding */
-            tile_rows(rows, 0, last + 1, s->probs, ldp, values + d, value_stride, NULL, columns, rows_at, 0);
+            tile_rows(rows, F32, last + 1, s->probs, ldp, values + d, value_stride, NULL, NULL, columns, rows_at, 0);
         }
     }
 }

@@ -58,7 +58,11 @@ def _int32_lists(*lists: Sequence[int]) -> tuple[ctypes.Array, list[Any]]:
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("panels", _ptr), ("bias", _ptr), ("n", _i32), ("k", _i32), ("bf16", _i32)]
+    _fields_ = [("panels", _ptr), ("bias", _ptr), ("scale", _ptr), ("n", _i32), ("k", _i32), ("format", _i32)]
+
+
+# How a Linear's panels are stored (kernels.c's enum): bfloat16 and int8 are widened as they are read.
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 class _Layer(ctypes.Structure):
@@ -298,10 +302,20 @@ def panels(weight: Tensor) -> Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def gate_up_panels(weight: Tensor, bias: Tensor | None, inter: int) -> tuple[Tensor, Tensor | None]:
-    """The fused [gate; up] weight (and bias) with gate and up rows alternating PANEL / 2 at a time,
-    each half zero-padded to a multiple of PANEL / 2, so that each panel yields finished SiLU(gate) *
-    up columns (kernels.c `linear_glu`); returns the panels and the reordered bias."""
+def int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [n, k] as int8 values and a float32 scale per output row, weight ~ values * scale[:, None]:
+    each row's largest magnitude becomes 127 (symmetric, so zero stays exactly zero)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def gate_up_panels(weight: Tensor, inter: int, *vectors: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
+    """The fused [gate; up] weight with gate and up rows alternating PANEL / 2 at a time, each half
+    zero-padded to a multiple of PANEL / 2, so that each panel yields finished SiLU(gate) * up
+    columns (kernels.c `linear_glu`); returns the panels and `vectors` (a bias, int8 scales: one
+    value per output) reordered the same way."""
     half = PANEL // 2
     padded = -(-inter // half) * half
 
@@ -310,7 +324,7 @@ def gate_up_panels(weight: Tensor, bias: Tensor | None, inter: int) -> tuple[Ten
         gate[:inter], up[:inter] = t[:inter].detach(), t[inter:].detach()
         return torch.stack((gate.view(-1, half, *t.shape[1:]), up.view(-1, half, *t.shape[1:])), 1).flatten(0, 2)
 
-    return panels(interleave(weight)), (interleave(bias).float().contiguous() if bias is not None else None)
+    return panels(interleave(weight)), [interleave(v).float().contiguous() if v is not None else None for v in vectors]
 
 
 def _padded_tokens(rows: Sequence[Sequence[int]], width: int) -> ctypes.Array:
@@ -322,8 +336,8 @@ def _padded_tokens(rows: Sequence[Sequence[int]], width: int) -> ctypes.Array:
 class _Weights:
     """Copies of parameters in the layouts the kernels read, kept alive while structures point into them."""
 
-    def __init__(self, bf16: bool) -> None:
-        self.bf16 = bf16  # linear weights in bfloat16, widened as they are read
+    def __init__(self, linears: torch.dtype) -> None:
+        self.linears = linears  # how linear weights are stored (FORMATS)
         self.kept: list[Tensor] = []
 
     def keep(self, tensor: Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
@@ -333,16 +347,25 @@ class _Weights:
         self.kept.append(tensor)
         return tensor.data_ptr()
 
+    def _stored(self, weight: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The weight's values as stored, and int8's scales."""
+        if self.linears == torch.int8:
+            return int8_rows(weight)
+        return weight.detach().to(self.linears), None
+
     def linear(self, weight: Tensor, bias: Tensor | None = None) -> _Linear:
-        packed = panels(weight.to(torch.bfloat16 if self.bf16 else torch.float32))
+        values, scale = self._stored(weight)
+        packed = panels(values)
         self.kept.append(packed)
-        return _Linear(packed.data_ptr(), self.keep(bias), weight.shape[0], weight.shape[1], int(self.bf16))
+        n, k = weight.shape
+        return _Linear(packed.data_ptr(), self.keep(bias), self.keep(scale), n, k, FORMATS[self.linears])
 
     def gate_up(self, weight: Tensor, bias: Tensor | None, inter: int) -> _Linear:
-        weight = weight.to(torch.bfloat16 if self.bf16 else torch.float32)
-        packed, bias = gate_up_panels(weight, bias, inter)
+        values, scale = self._stored(weight)
+        packed, (bias, scale) = gate_up_panels(values, inter, bias, scale)
         self.kept.append(packed)
-        return _Linear(packed.data_ptr(), self.keep(bias), packed.shape[0] * PANEL, weight.shape[1], int(self.bf16))
+        n, k = packed.shape[0] * PANEL, weight.shape[1]
+        return _Linear(packed.data_ptr(), self.keep(bias), self.keep(scale), n, k, FORMATS[self.linears])
 
 
 class _CacheStructs:
@@ -426,17 +449,18 @@ def _run(
 class NativeForward:
     """`Transformer.forward` for a float32 or bfloat16 model on a CPU, through the compiled kernels.
 
-    Holds panel copies of the model's linear weights and the addresses of its other parameters
-    (float32 copies of a bfloat16 model's small ones: activations are float32 either way, and a
-    bfloat16 model's weights are widened as they are read): the model drops it when its parameters
-    move or are loaded (`Transformer._apply`)."""
+    Holds panel copies of the model's linear weights (in the model's dtype, or as `linears` says:
+    int8 for a drafter, whose precision moves only how many drafts are kept) and the addresses of
+    its other parameters (float32 copies of a bfloat16 model's small ones: activations are float32
+    either way, and stored weights are widened as they are read): the model drops it when its
+    parameters move or are loaded (`Transformer._apply`)."""
 
-    def __init__(self, model: Transformer, lib: ctypes.CDLL) -> None:
+    def __init__(self, model: Transformer, lib: ctypes.CDLL, linears: torch.dtype | None = None) -> None:
         config = model.config
         self.lib = lib
         self.config = config
         embed_dtype = model.embed_tokens.weight.dtype
-        self.weights = weights = _Weights(bf16=embed_dtype == torch.bfloat16)
+        self.weights = weights = _Weights(linears or embed_dtype)
         layers = (_Layer * config.num_layers)()
         for i, block in enumerate(model.layers):
             attention, mlp = block.self_attn, block.mlp
@@ -455,7 +479,7 @@ class NativeForward:
             config,
             config.sliding_window or 0,
             weights.keep(model.embed_tokens.weight, embed_dtype),
-            int(weights.bf16),
+            int(embed_dtype == torch.bfloat16),
             weights.keep(model.norm.weight),
             weights.keep(model.rope_cos),
             weights.keep(model.rope_sin),
@@ -537,11 +561,13 @@ class NativeDFlash:
     draft layer's keys and values) and its block forward (non-causal within the block), with the
     target's embedding and LM head (the target's own `NativeForward`'s copies)."""
 
-    def __init__(self, model: DFlashModel, target_model: Transformer, lib: ctypes.CDLL, positions: int) -> None:
+    def __init__(
+        self, model: DFlashModel, target_model: Transformer, lib: ctypes.CDLL, positions: int, int8: bool = False
+    ) -> None:
         config, target = model.config, target_model.native
         assert target is not None
         self.lib, self.config, self.target = lib, config, target  # the target's copies must outlive ours
-        self.weights = weights = _Weights(bf16=model.fc.weight.dtype == torch.bfloat16)
+        self.weights = weights = _Weights(torch.int8 if int8 else model.fc.weight.dtype)
         layers = (_Layer * config.num_layers)()
         kv = (_Linear * config.num_layers)()
         for i, layer in enumerate(model.layers):
@@ -617,15 +643,17 @@ class NativeDFlash:
 
 class NativeEagle3:
     """An EAGLE-3 head's step through the compiled kernels: its linear weights packed as the
-    target's are (bfloat16 beside a bfloat16 target), the target's embedding shared."""
+    target's are, the target's embedding shared."""
 
-    def __init__(self, model: Eagle3Model, target: NativeForward, lib: ctypes.CDLL, positions: int) -> None:
+    def __init__(
+        self, model: Eagle3Model, target: NativeForward, lib: ctypes.CDLL, positions: int, int8: bool = False
+    ) -> None:
         config, layer = model.config, model.midlayer
         attention, mlp = layer.self_attn, layer.mlp
         self.lib, self.target = lib, target  # the target's embedding must outlive our pointer to it
-        # Its linear weights in bfloat16 whatever the target's: half the bytes a step streams; the
-        # drafts' precision moves only how many are kept, never the output.
-        self.weights = weights = _Weights(bf16=True)
+        # Its linear weights in int8 or bfloat16 whatever the target's: fewer bytes a step streams;
+        # the drafts' precision moves only how many are kept, never the output.
+        self.weights = weights = _Weights(torch.int8 if int8 else torch.bfloat16)
         qkv = torch.cat((attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight))
         self._layer = (_Layer * 1)(
             _Layer(

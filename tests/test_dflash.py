@@ -60,8 +60,9 @@ def dflash_for(
     return model
 
 
-def engine_for(target, batch: int, ks=(0, 1, 2, 3, 5), initial: int | None = None) -> Engine:
-    drafter = DFlashDrafter(dflash_for(target.model), target.model, batch, MAX_SEQ_LEN)
+def engine_for(target, batch: int, ks=(0, 1, 2, 3, 5), initial: int | None = None, quantize: bool = False) -> Engine:
+    drafter = DFlashDrafter(dflash_for(target.model), target.model, batch, MAX_SEQ_LEN, quantize=quantize)
+    assert drafter.native is not None and (drafter.native.weights.linears == torch.int8) == quantize
     return Engine(target, drafter, batch, MAX_SEQ_LEN, ks, initial_k=initial)
 
 
@@ -100,11 +101,12 @@ def serve_switching(engine: Engine, params: SamplingParams, seed: int) -> list[l
     return [outputs[r.id] for r in requests]
 
 
-def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair):
+@pytest.mark.parametrize("quantize", [False, True], ids=["as loaded", "int8"])
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, quantize):
     target, _ = pair
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     expected = [c.tokens for c in generate(target, PROMPTS, params)]
-    assert serve_switching(engine_for(target, 4), params, seed=0) == expected
+    assert serve_switching(engine_for(target, 4, quantize=quantize), params, seed=0) == expected
 
 
 def test_a_drafter_with_its_own_vocabulary_drafts_only_its_ids_and_stays_lossless(pair):

@@ -110,13 +110,15 @@ def test_greedy_equals_target_only_for_every_k(pair, batch):
             assert engine.state.stats.drafts_proposed > 0
 
 
-@pytest.mark.parametrize("trained", [False, True])
-def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_head, trained):
+@pytest.mark.parametrize("trained, quantize", [(False, False), (True, False), (True, True)])
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_head, trained, quantize):
     target, _ = pair
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     expected = [c.tokens for c in generate(target, PROMPTS, params)]
     head = trained_head if trained else head_for(target.model)
-    engine = Engine(target, Eagle3Drafter(head, target.model, 4, MAX_SEQ_LEN), 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
+    drafter = Eagle3Drafter(head, target.model, 4, MAX_SEQ_LEN, quantize=quantize)
+    assert drafter.native is not None and drafter.native.weights.linears == (torch.int8 if quantize else torch.bfloat16)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
     assert serve_switching(engine, params, seed=2) == expected
     proposed = sum(state.stats.drafts_proposed for state in engine.states.values())
     accepted = sum(state.stats.drafts_accepted for state in engine.states.values())

@@ -15,7 +15,7 @@ import torch
 from engine import native
 from engine.checkpoint import load_checkpoint
 from engine.model import Captured, ForwardBatch, side_by_side
-from tests.conftest import DEFAULT_TARGET, ROOT, save_tiny, tiny_hf_model
+from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, save_tiny, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.problem()}")
 
@@ -80,6 +80,45 @@ def test_bfloat16_weights_serve_the_same_logits_at_half_the_bytes(target):
     verified = forward(model, cache, [0], [drafts]).logits[0]
     cache.truncate(0, len(prompt))
     assert torch.equal(verified, torch.stack([forward(model, cache, [0], [[t]]).logits[0, 0] for t in drafts]))
+
+
+@torch.inference_mode()
+def test_int8_weights_serve_the_logits_of_their_dequantized_values_at_a_quarter_of_the_bytes():
+    """A drafter's linear weights stored as int8 with a scale per output: the forward gives the
+    logits of the float32 weights those values stand for, but for the order of operations, and a
+    verify (wide enough that its panels are widened once) is still exact."""
+    draft = load_checkpoint(DEFAULT_DRAFT, dtype="float32")
+    lib = native.library()
+    int8 = native.NativeForward(draft.model, lib, linears=torch.int8)
+    assert all(p.dtype in (torch.int8, torch.float32) for p in int8.weights.kept)
+    linear_bytes = sum(p.numel() for p in int8.weights.kept if p.dtype == torch.int8)
+    assert linear_bytes * 4 == sum(p.numel() * 4 for p in draft.model.native.weights.kept if p.dim() == 3)
+    reference = load_checkpoint(DEFAULT_DRAFT, dtype="float32", native_forward=False).model
+    reference.lm_head = torch.nn.Linear(reference.config.hidden_size, reference.config.vocab_size, bias=False)
+    for name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            source = draft.model.embed_tokens if name == "lm_head" else draft.model.get_submodule(name)
+            values, scale = native.int8_rows(source.weight)
+            assert values.dtype == torch.int8 and values.abs().amax() == 127
+            module.weight = torch.nn.Parameter(values.float() * scale[:, None])
+            module.packed = None  # packed from the weight it replaces
+    prompt, drafts = list(range(40, 200)), [9, 8, 7, 6]
+    served = draft.model
+    served.native = int8
+    caches = [m.new_cache(1, 256) for m in (reference, served)]
+    for cache in caches:
+        cache.allocate()
+    logits = [forward(m, c, [0], [prompt + drafts]).logits[0] for m, c in zip((reference, served), caches)]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    cache = caches[1]
+    cache.truncate(0, len(prompt))
+    verified = forward(served, cache, [0], [drafts]).logits[0]
+    cache.truncate(0, len(prompt))
+    assert torch.equal(verified, torch.stack([forward(served, cache, [0], [[t]]).logits[0, 0] for t in drafts]))
+    cache.truncate(0, 0)
+    prefill = forward(served, cache, [0], [prompt], last_only=True).logits[0, 0]  # panels widened
+    cache.truncate(0, len(prompt) - 1)
+    assert torch.equal(prefill, forward(served, cache, [0], [prompt[-1:]]).logits[0, 0])
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:

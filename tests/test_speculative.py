@@ -18,7 +18,7 @@ from engine.generate import generate
 from engine.model import ForwardBatch
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams, target_probs
-from tests.conftest import tiny_pair
+from tests.conftest import DEFAULT_DRAFT, tiny_pair
 
 STEPS = (0, 1, 2, 3, 5, 7)
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 9, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 8, 9], [20, 21]]
@@ -56,7 +56,18 @@ def test_greedy_output_equals_target_only_for_every_k(pair, kind, batch_size):
     assert accepted > 0  # speculation really happened, it did not just fall back to decoding
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram", "hybrid"])
+def test_an_int8_draft_runs_int8_weights_beside_the_checkpoints_own():
+    """Quantizing the draft for one drafter leaves the loaded checkpoint as it was: a bench that
+    serves the same draft both ways, side by side, runs each as asked."""
+    draft = load_checkpoint(DEFAULT_DRAFT)
+    int8 = DraftModelDrafter(draft, 1, MAX_SEQ_LEN, quantize=True)
+    plain = DraftModelDrafter(draft, 1, MAX_SEQ_LEN)
+    assert int8.model.native.weights.linears == torch.int8
+    assert plain.model is draft.model and draft.model.native.weights.linears == torch.float32  # as loaded
+    assert int8.model.embed_tokens.weight is draft.model.embed_tokens.weight  # no second copy of the parameters
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram", "hybrid"])
 def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, kind):
     target, draft = pair
     params = SamplingParams(max_tokens=48, ignore_eos=True)
