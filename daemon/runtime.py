@@ -51,7 +51,7 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
     that compare drafters)."""
     settings = snapshot.engine
     kinds = {settings.drafter, *kinds}
-    dtype = None if settings.dtype == "auto" else settings.dtype
+    dtype = settings.dtype
     with phase(f"load target {settings.target}"):
         target = load_checkpoint(settings.target, settings.device, dtype)
     draft = None

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
+from engine import native
 from engine.config import CheckpointError, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.model import Transformer, can_pack_linears
@@ -125,6 +126,15 @@ def _leave(tensor: Tensor, *args: object, **kwargs: object) -> Tensor:
     return tensor
 
 
+def stored_dtypes(files: dict[str, Path]) -> set[str]:
+    """The dtypes the checkpoint's tensors are stored in, as safetensors names them ("BF16", "F32")."""
+    found = set()
+    for file in set(files.values()):
+        with safe_open(file, framework="pt") as handle:
+            found.update(handle.get_slice(name).get_dtype() for name in handle.keys())
+    return found
+
+
 def load_checkpoint(
     path: str | Path,
     device: str = "cpu",
@@ -132,13 +142,24 @@ def load_checkpoint(
     max_positions: int | None = None,
     native_forward: bool = True,
 ) -> Checkpoint:
+    """The checkpoint at `path` on `device`, in `dtype` (None: float32 on a CPU, bfloat16 on an
+    accelerator). "auto" is that too, but for a checkpoint stored in bfloat16 on a CPU where the
+    compiled forward serves it: bfloat16, which the kernels widen to float32 exactly as they read
+    it, so the logits are float32's bit for bit at half the bytes to stream."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     config = ModelConfig.from_file(path / "config.json")
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
     files = _tensor_files(path)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if (
+        dtype == "auto"
+        and native_forward
+        and stored_dtypes(files) == {"BF16"}
+        and native.available(torch_device, torch.bfloat16)
+    ):
+        torch_dtype = torch.bfloat16
 
     with torch.device("meta"), uninitialized():
         model = Transformer(config, max_positions=max_positions)

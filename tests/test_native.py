@@ -63,23 +63,27 @@ def test_a_rows_logits_do_not_depend_on_the_rest_of_its_batch(target):
 
 
 @torch.inference_mode()
-def test_bfloat16_weights_serve_the_same_logits_at_half_the_bytes(target):
-    """The default models are stored in bfloat16: widened as they are read, they give the float32
-    forward's logits but for the order of additions, and a verify is still exact."""
-    served = load_checkpoint(DEFAULT_TARGET, dtype="bfloat16")
+def test_a_bfloat16_checkpoint_is_served_in_bfloat16_with_float32s_logits_bit_for_bit(target, tmp_path):
+    """The default models are stored in bfloat16: dtype "auto" keeps them so on a CPU, and widened
+    as they are read they give exactly the float32 forward's logits, at half the bytes; a verify is
+    still exact. A checkpoint stored in float32 stays float32."""
+    served = load_checkpoint(DEFAULT_TARGET, dtype="auto")
     model = served.model
     assert model.native is not None and model.embed_tokens.weight.dtype == torch.bfloat16
+    assert target.model.embed_tokens.weight.dtype == torch.float32  # no dtype given: float32 on a CPU
     prompt, drafts = list(range(40, 200)), [9, 8, 7, 6]
     caches = [m.new_cache(1, 256) for m in (target.model, model)]
     for cache in caches:
         cache.allocate()
     logits = [forward(m, c, [0], [prompt + drafts]).logits[0] for m, c in zip((target.model, model), caches)]
-    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
+    assert torch.equal(logits[1], logits[0])
     cache = caches[1]
     cache.truncate(0, len(prompt))
     verified = forward(model, cache, [0], [drafts]).logits[0]
     cache.truncate(0, len(prompt))
     assert torch.equal(verified, torch.stack([forward(model, cache, [0], [[t]]).logits[0, 0] for t in drafts]))
+    stored_float32 = save_tiny(tiny_hf_model("llama"), tmp_path / "f32")
+    assert load_checkpoint(stored_float32, dtype="auto").model.embed_tokens.weight.dtype == torch.float32
 
 
 @torch.inference_mode()
