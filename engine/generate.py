@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("prompts", nargs="+", help="one or more prompts, decoded as one batch")
     parser.add_argument("--model", default="models/target", help="Hugging Face checkpoint directory")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
