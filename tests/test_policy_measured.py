@@ -55,9 +55,10 @@ def best_static(serve: Callable, batch_size: int) -> float:
 
 def test_it_climbs_to_a_k_as_fast_as_the_best_static_one():
     serve = traffic(0.85)
-    served = run(MeasuredPolicy(LADDER), serve, 800)
     assert tokens_per_second(serve, 5, 1) > 1.15 * tokens_per_second(serve, 1, 1)  # the k matters here
-    assert rate(served[-400:]) >= 0.95 * best_static(serve, 1)
+    # 400 rounds' tokens vary by a few percent with their luck: three runs of them.
+    rates = [rate(run(MeasuredPolicy(LADDER), serve, 800, seed=seed)[-400:]) for seed in range(3)]
+    assert sum(rates) / len(rates) >= 0.95 * best_static(serve, 1)
 
 
 def test_where_drafting_never_pays_it_stays_at_zero_and_tries_drafting_seldom():
@@ -143,3 +144,38 @@ def test_a_try_is_judged_on_the_same_rounds_as_the_k_it_left_not_on_its_own_luck
             policy.observe(Observation(3, (0,), (3,), round_seconds=0.007))
     assert policy.k == 3
     assert policy.rate(3, 1) < 0.3 * policy.rate(5, 1)  # what its own rounds served
+
+
+def tries(policy: MeasuredPolicy, serve: Callable[[int], Observation], rounds: int) -> list[int]:
+    """The rounds at which the policy moved to another k, serving `rounds` rounds."""
+    moves, k = [], policy.k
+    for round in range(rounds):
+        policy.observe(serve(policy.k))
+        if policy.k != k:
+            moves.append(round)
+        k = policy.k
+    return moves
+
+
+def test_a_shorter_k_that_keeps_losing_is_tried_ever_more_seldom_a_longer_one_as_its_losses_say():
+    # Steady traffic: every round keeps all the drafts it can, and a shorter k loses a fifth of
+    # the rate (4 tokens in 8 ms against 6 in 10 ms); a longer one loses its verify's cost.
+    def serve(k: int) -> Observation:
+        return Observation(k, (k,), (k,), round_seconds={3: 0.008, 5: 0.010, 7: 0.018}[k])
+
+    down, up = {}, {}
+    for backoff in (1.0, 2.0):
+        params = replace(LADDER, exploration_backoff=backoff)
+        down[backoff] = tries(MeasuredPolicy(replace(params, candidate_k=(3, 5)), initial_k=5), serve, 3000)
+        up[backoff] = tries(MeasuredPolicy(replace(params, candidate_k=(5, 7)), initial_k=5), serve, 3000)
+    assert len(down[2.0]) < len(down[1.0]) / 3  # each try of k = 3 waits twice as long as the last
+    gaps = [b - a for a, b in zip(down[2.0][::2], down[2.0][2::2])]
+    assert gaps[:4] == sorted(gaps[:4]) and gaps[3] >= 4 * gaps[0]
+    assert len(up[2.0]) == len(up[1.0])  # a longer k is judged on its own rounds' luck: not backed off
+
+
+def test_backing_off_does_not_slow_the_climb():
+    serve = traffic(0.9)
+    policy = MeasuredPolicy(replace(LADDER, exploration_backoff=4.0), initial_k=1)
+    run(policy, serve, 150)
+    assert policy.k >= 5

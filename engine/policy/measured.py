@@ -55,7 +55,8 @@ class MeasuredPolicy(Schedule):
     The policy keeps to the k measured fastest and now and then tries the candidates next to it on
     the ladder, for `update_interval` rounds, since the traffic may have changed: a try that wins
     is kept, one that loses is repeated only after as many rounds as keep what tries lose within
-    `exploration` of the serving time (a close neighbour is tried often, a far worse one seldom).
+    `exploration` of the serving time (a close neighbour is tried often, a far worse one seldom),
+    and a shorter neighbour that loses again waits `exploration_backoff` times longer each time.
     A try is judged against the k it left on the same rounds (`paired_rates`), so that the luck
     of its few rounds does not decide it. A try is charged all it cost, its first round included,
     in which a drafter left behind at k = 0 catches up. Rates are kept per batch size, and a
@@ -73,8 +74,10 @@ class MeasuredPolicy(Schedule):
         self.batch_size = 1
         # (k, batch size) -> the last WINDOW_ROUNDS rounds at k, and the round last seen
         self.windows: dict[tuple[int, int], tuple[deque[Round], int]] = {}
-        # (k, batch size) -> the round from which trying k again is due
+        # (k, batch size) -> the round from which trying k again is due, and how many tries of k
+        # in a row have lost
         self.due: dict[tuple[int, int], int] = {}
+        self.losses: dict[tuple[int, int], int] = {}
         self.probe_from: int | None = None
         self.trial = (0, 0.0)  # tokens and seconds of the current try's rounds
         self.moved = False  # whether the next round is the first after a move
@@ -145,9 +148,11 @@ class MeasuredPolicy(Schedule):
             return self.move(left, "measured")
         tried_rate, left_rate = rates
         if tried_rate > left_rate * (1 + self.params.switch_margin):
+            self.losses.pop((tried, b), None)
             for k in self._neighbours(tried):
                 if k != left:
                     self.due.pop((k, b), None)  # the traffic changed: look further the same way soon
+                    self.losses.pop((k, b), None)
             # The k left just lost on these very rounds: not tried again for probe_interval rounds.
             self.due[(left, b)] = self.rounds + self.params.probe_interval
             return None
@@ -156,7 +161,18 @@ class MeasuredPolicy(Schedule):
         tokens, seconds = self.trial
         lost = max(0.0, seconds - tokens / left_rate)
         spacing = lost / (self.params.exploration * round_seconds(self.windows[(left, b)][0]))
-        spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
+        # A shorter k that keeps losing is tried ever more seldom: on steady traffic each try of
+        # a worse neighbour is a loss. Only a shorter one: it is judged on the longer k's whole
+        # window, whose tokens at the shorter are exact, where a longer one is judged on its own
+        # few rounds' luck, and backing off after an unlucky loss would stop a climb. A try that
+        # served as fast, short of the margin, is a near tie: it costs little to try again.
+        losses = 1
+        if tried < left and tried_rate < left_rate:
+            losses = self.losses[(tried, b)] = self.losses.get((tried, b), 0) + 1
+        else:
+            self.losses.pop((tried, b), None)
+        spacing = max(self.params.probe_interval, spacing) * self.params.exploration_backoff ** (losses - 1)
+        spacing = min(MAX_SPACING * self.params.probe_interval, spacing)
         self.due[(tried, b)] = self.rounds + int(spacing)
         return self.move(left, "measured")
 

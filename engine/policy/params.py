@@ -35,6 +35,9 @@ class PolicyParams:
     switch_margin: float = 0.05
     # measured: the share of serving time that tries of another k may lose.
     exploration: float = 0.02
+    # measured: each further try of a shorter neighbour that lost again waits this many times
+    # longer. 2 was chosen on the tuning half of the workload suite (docs/benchmarks.md).
+    exploration_backoff: float = 2.0
     # Where the drafter knows its drafts' probabilities before the target looks (dflash), a round
     # verifies a draft only while their running product stays at least this: 0 verifies all k.
     # 0.1 was chosen on the tuning half of code-greedy (docs/benchmarks.md).
@@ -68,6 +71,8 @@ class PolicyParams:
             out.append(f"probe_interval must be >= 1, got {self.probe_interval}")
         if not 0 < self.exploration <= 1:
             out.append(f"exploration must be in (0, 1], got {self.exploration}")
+        if self.exploration_backoff < 1:
+            out.append(f"exploration_backoff must be >= 1, got {self.exploration_backoff}")
         if not 0 <= self.draft_confidence <= 1:
             out.append(f"draft_confidence must be in [0, 1], got {self.draft_confidence}")
         if self.switch_margin < 0:
