@@ -46,7 +46,7 @@ from pathlib import Path
 from control.config import ConfigSnapshot, load_config
 from daemon import runtime
 from daemon.runtime import Models, load_models
-from engine.config import DRAFTERS
+from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS
 from engine.controller import Controller
 from engine.policy import DEFAULT_CANDIDATES, PolicyParams
 from engine.request import Request
@@ -192,7 +192,6 @@ def build_controller(
 
 
 ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization")
-QUANTIZATIONS = ("int8", "none")
 
 
 def drafters_of(modes: list[str]) -> set[str]:
@@ -209,13 +208,13 @@ def parse_override(text: str) -> tuple[str, object]:
         return name, value
     if name == "drafter" and value in DRAFTERS:
         return name, value
-    if name == "draft_quantization" and value in QUANTIZATIONS:
+    if name == "draft_quantization" and value in DRAFT_QUANTIZATIONS:
         return name, value
     if name not in PolicyParams.__dataclass_fields__ or not value:
         raise SystemExit(
             f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
             f"verification={'|'.join(CHAIN_RULES)}, drafter={'|'.join(DRAFTERS)} "
-            f"or draft_quantization={'|'.join(QUANTIZATIONS)}"
+            f"or draft_quantization={'|'.join(DRAFT_QUANTIZATIONS)}"
         )
     if name == "candidate_k":
         try:

@@ -25,6 +25,7 @@ from control.bounded import clip
 from engine.config import (
     DFLASH_KINDS,
     DRAFT_MODEL_KINDS,
+    DRAFT_QUANTIZATIONS,
     DRAFTERS,
     EAGLE3_KINDS,
     CheckpointError,
@@ -208,7 +209,7 @@ SCHEMA: Mapping[str, Section] = {
         "dflash": Key("path", "models/dflash", "DFlash drafter directory, used when drafter = dflash or hybrid_dflash"),
         "eagle3": Key("path", "models/eagle3", "EAGLE-3 head directory, used when drafter = eagle3 or hybrid_eagle3"),
         "draft_quantization": Key(
-            "str", "int8", "drafters' linear weights on CPU: int8 or none (as loaded)", choices=("int8", "none")
+            "str", "int8", "drafters' linear weights on CPU: int8 or none (as loaded)", choices=DRAFT_QUANTIZATIONS
         ),
         "ngram_min": Key("int", 1, "shortest n-gram the lookup drafters (ngram and the hybrids) match", lo=1),
         "ngram_max": Key("int", 4, "longest n-gram the lookup drafters (ngram and the hybrids) match", lo=1),

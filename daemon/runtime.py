@@ -51,13 +51,12 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
     that compare drafters)."""
     settings = snapshot.engine
     kinds = {settings.drafter, *kinds}
-    dtype = settings.dtype
     with phase(f"load target {settings.target}"):
-        target = load_checkpoint(settings.target, settings.device, dtype)
+        target = load_checkpoint(settings.target, settings.device, settings.dtype)
     draft = None
     if kinds & set(DRAFT_MODEL_KINDS):
         with phase(f"load draft {settings.draft}"):
-            draft = load_checkpoint(settings.draft, settings.device, dtype)
+            draft = load_checkpoint(settings.draft, settings.device, settings.dtype)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft {settings.draft} has a vocabulary of {draft.config.vocab_size}, "

@@ -156,8 +156,8 @@ def load_checkpoint(
     if (
         dtype == "auto"
         and native_forward
-        and stored_dtypes(files) == {"BF16"}
         and native.available(torch_device, torch.bfloat16)
+        and stored_dtypes(files) == {"BF16"}
     ):
         torch_dtype = torch.bfloat16
 

@@ -158,6 +158,8 @@ DFLASH_KINDS = ("dflash", "hybrid_dflash")
 EAGLE3_KINDS = ("eagle3", "hybrid_eagle3")
 # Every drafter [engine] drafter may name.
 DRAFTERS = (*DRAFT_MODEL_KINDS, "ngram", *DFLASH_KINDS, *EAGLE3_KINDS, "none")
+# How [engine] draft_quantization may store drafters' linear weights on a CPU.
+DRAFT_QUANTIZATIONS = ("int8", "none")
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 

@@ -32,10 +32,10 @@ typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias
 #define PANEL 64 /* output columns per weight panel: four vectors */
 #define TILE_ROWS 6 /* input rows per register tile: 24 accumulators */
 
-/* A weight [n, k] stored as panels of PANEL output columns, each [k][PANEL] (the last one
- * zero-padded), so that a product streams it from memory exactly once in order. */
 enum { F32, BF16, INT8 }; /* how a Linear's panels are stored */
 
+/* A weight [n, k] stored as panels of PANEL output columns, each [k][PANEL] (the last one
+ * zero-padded), so that a product streams it from memory exactly once in order. */
 typedef struct {
     const void *panels; /* in `format`: bfloat16 and int8 are widened to float32 as they are read */
     const float *bias;  /* [n] or NULL */
