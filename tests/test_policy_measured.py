@@ -179,3 +179,18 @@ def test_backing_off_does_not_slow_the_climb():
     policy = MeasuredPolicy(replace(LADDER, exploration_backoff=4.0), initial_k=1)
     run(policy, serve, 150)
     assert policy.k >= 5
+
+
+def test_a_shorter_k_put_off_by_its_losses_is_tried_at_once_when_the_traffic_turns():
+    # Every draft kept: k = 3 serves 4 tokens in 8 ms against k = 5's 6 in 10 ms, and loses every
+    # try until its tries are many hundred rounds apart. Then no draft is kept: 1 token a round,
+    # and k = 3 serves 25% more. The rounds at k = 5 say so, with k = 3's seconds as last measured.
+    def serve(kept: Callable[[int], int]) -> Callable[[int], Observation]:
+        return lambda k: Observation(k, (kept(k),), (k,), round_seconds={3: 0.008, 5: 0.010}[k])
+
+    policy = MeasuredPolicy(replace(LADDER, candidate_k=(3, 5)), initial_k=5)
+    assert len(tries(policy, serve(lambda k: k), 3000)) < 30
+    assert policy.k == 5
+    moves = tries(policy, serve(lambda k: 0), 200)
+    assert moves and moves[0] < 2 * 32  # one window of the new traffic, not hundreds of rounds
+    assert policy.k == 3

@@ -56,7 +56,8 @@ class MeasuredPolicy(Schedule):
     the ladder, for `update_interval` rounds, since the traffic may have changed: a try that wins
     is kept, one that loses is repeated only after as many rounds as keep what tries lose within
     `exploration` of the serving time (a close neighbour is tried often, a far worse one seldom),
-    and a shorter neighbour that loses again waits `exploration_backoff` times longer each time.
+    and a shorter neighbour that loses again waits `exploration_backoff` times longer each time,
+    unless the rounds served since say it would now win.
     A try is judged against the k it left on the same rounds (`paired_rates`), so that the luck
     of its few rounds does not decide it. A try is charged all it cost, its first round included,
     in which a drafter left behind at k = 0 catches up. Rates are kept per batch size, and a
@@ -135,7 +136,7 @@ class MeasuredPolicy(Schedule):
         if self.probe_from is not None:
             return self._judge_try(b, tried=here, left=self.probe_from)
         for k in self._neighbours(here):
-            if self.rounds >= self.due.get((k, b), 0):
+            if self.rounds >= self.due.get((k, b), 0) or self._now_wins(k, here, b):
                 self.probe_from, self.trial = here, (0, 0.0)
                 self.windows.pop((k, b), None)  # a try measures the present
                 return self.move(k, "probe")
@@ -175,6 +176,16 @@ class MeasuredPolicy(Schedule):
         spacing = min(MAX_SPACING * self.params.probe_interval, spacing)
         self.due[(tried, b)] = self.rounds + int(spacing)
         return self.move(left, "measured")
+
+    def _now_wins(self, shorter: int, here: int, b: int) -> bool:
+        """Whether a shorter k would now win on the rounds at `here`, by what its last try
+        measured its rounds to take: the tokens it would have emitted are known exactly, and its
+        seconds depend on the machine and the batch, not on the traffic. A try that lost and
+        was put off is made at once when the traffic has changed enough for it to win."""
+        if shorter > here:
+            return False
+        rates = self.paired_rates(shorter, here, b)
+        return rates is not None and rates[0] > rates[1] * (1 + self.params.switch_margin)
 
     def paired_rates(self, tried: int, left: int, b: int) -> tuple[float, float] | None:
         """Tokens per second of the k tried and of the k left, both over the same rounds: those
