@@ -13,7 +13,7 @@ run is closed-loop: --concurrency requests in flight, the next one submitted as 
 
 Modes: `none` (target only), `static:K` (a fixed k), `adaptive:measured`, `adaptive:ema` (the
 config's [adaptive] parameters with that strategy, and that strategy's default candidates where the
-config has the default; `+NAME=VALUE` overrides one more parameter, as in
+config has the default; `+NAME=VALUE` overrides one more parameter or initial_k, as in
 `adaptive:measured+exploration=0.01`). Every mode serves the same requests on the same
 loaded models in this process, side by side: the modes take turns a round at a time, and each
 is timed by its own rounds, so a change in the machine's speed is shared by all of them.
@@ -172,11 +172,12 @@ def mode_snapshot(snapshot: ConfigSnapshot, mode: str) -> ConfigSnapshot:
         if params.candidate_k == DEFAULT_CANDIDATES[params.strategy]:
             # The config left the candidates to its strategy: another strategy runs its own.
             settings.setdefault("candidate_k", DEFAULT_CANDIDATES[strategy])
+        initial_k = settings.pop("initial_k", adaptive.initial_k)
         try:
             policy = replace(params, strategy=strategy, **settings)
         except ValueError as err:
             raise SystemExit(f"{mode!r}: {err}") from None
-        adaptive = replace(adaptive, enabled=True, policy=policy)
+        adaptive = replace(adaptive, enabled=True, initial_k=initial_k, policy=policy)
     else:
         raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:measured or adaptive:ema")
     return replace(snapshot, engine=engine, adaptive=adaptive)
@@ -200,9 +201,9 @@ def drafters_of(modes: list[str]) -> set[str]:
 
 
 def parse_override(text: str) -> tuple[str, object]:
-    """`name=value` of a policy parameter, as in adaptive:measured+exploration=0.01, or of the
-    engine's `verification`, `drafter` or `draft_quantization` (any mode: static:3+verification=token); a list of step
-    counts is written with slashes: candidate_k=0/3/7."""
+    """`name=value` of a policy parameter or of `initial_k`, as in adaptive:measured+exploration=0.01,
+    or of the engine's `verification`, `drafter` or `draft_quantization` (any mode:
+    static:3+verification=token); a list of step counts is written with slashes: candidate_k=0/3/7."""
     name, _, value = text.partition("=")
     if name == "verification" and value in CHAIN_RULES:
         return name, value
@@ -210,7 +211,7 @@ def parse_override(text: str) -> tuple[str, object]:
         return name, value
     if name == "draft_quantization" and value in DRAFT_QUANTIZATIONS:
         return name, value
-    if name not in PolicyParams.__dataclass_fields__ or not value:
+    if name not in (*PolicyParams.__dataclass_fields__, "initial_k") or not value:
         raise SystemExit(
             f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
             f"verification={'|'.join(CHAIN_RULES)}, drafter={'|'.join(DRAFTERS)} "
