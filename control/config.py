@@ -243,7 +243,7 @@ SCHEMA: Mapping[str, Section] = {
         "up_hysteresis": Key("float", 0.0, "ema: extra margin needed to move up a tier"),
         "down_hysteresis": Key("float", -0.25, "ema: margin (usually negative) before moving down a tier"),
         "probe_interval": Key("int", 10, "fewest rounds between tries of another k", lo=1),
-        "switch_margin": Key("float", 0.05, "measured: fraction by which a tried k must beat the current one",
+        "switch_margin": Key("float", 0.02, "measured: fraction by which a tried k must beat the current one",
                              lo=0),
         "exploration": Key("float", 0.02, "measured: share of serving time tries of other k's may lose",
                            lo=0, lo_open=True, hi=1),
