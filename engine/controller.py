@@ -58,6 +58,10 @@ Message = SetParams | Pin | Unpin | Force
 SwitchObserver = Callable[[int, int, str], None]  # (from k, to k, reason)
 
 
+# Why k changed when an operator changed it: admin commands and config reloads.
+OPERATOR_REASONS = frozenset({"pin", "unpin", "force", "params"})
+
+
 class Controller:
     def __init__(
         self,
@@ -158,7 +162,10 @@ class Controller:
         if k == self._k:
             return
         ema = round(self.policy.ema, 4)
-        log.info("switch", **{"from": self._k, "to": k}, ema=ema, reason=reason, round=self.engine.round)
+        # The policy switches many times a second while it explores: its own switches are debug
+        # events (their counts are in the metrics); an operator's pin, force or reload is info.
+        emit = log.info if reason in OPERATOR_REASONS else log.debug
+        emit("switch", **{"from": self._k, "to": k}, ema=ema, reason=reason, round=self.engine.round)
         previous, self._k = self._k, k
         self.switches += 1
         if self.on_switch is not None:

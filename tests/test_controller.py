@@ -54,6 +54,17 @@ def test_adaptive_switches_happen_between_rounds_and_output_stays_lossless(pair)
         assert {"from", "to", "ema", "reason", "round"} <= set(event)
         # The round a switch is logged at runs with the new k; the one before with the old k.
         assert ks[event["round"]] == event["to"] and ks[event["round"] - 1] == event["from"]
+        assert event["log_level"] == "debug"  # the policy's own: many a second, not for the journal
+
+
+def test_an_operator_switch_is_logged_at_info(pair):
+    controller = make(pair)
+    controller.engine.add_request(Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=20, ignore_eos=True)))
+    controller.step()
+    with capture_logs() as logs:
+        controller.apply(Pin(0 if controller.k else 1))
+    [event] = [e for e in logs if e["event"] == "switch"]
+    assert event["reason"] == "pin" and event["log_level"] == "info"
 
 
 def test_pin_holds_k_while_the_policy_keeps_observing_and_unpin_resumes(pair):
