@@ -245,7 +245,7 @@ SCHEMA: Mapping[str, Section] = {
         "probe_interval": Key("int", 10, "fewest rounds between tries of another k", lo=1),
         "switch_margin": Key("float", 0.02, "measured: fraction by which a tried k must beat the current one",
                              lo=0),
-        "exploration": Key("float", 0.02, "measured: share of serving time tries of other k's may lose",
+        "exploration": Key("float", 0.01, "measured: share of serving time tries of other k's may lose",
                            lo=0, lo_open=True, hi=1),
         "exploration_backoff": Key("float", 2.0, "measured: how many times longer each further try of a"
                                    " shorter k that lost again waits", lo=1),

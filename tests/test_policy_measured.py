@@ -175,10 +175,23 @@ def test_a_shorter_k_that_keeps_losing_is_tried_ever_more_seldom_a_longer_one_as
 
 
 def test_backing_off_does_not_slow_the_climb():
-    serve = traffic(0.9)
-    policy = MeasuredPolicy(replace(LADDER, exploration_backoff=4.0), initial_k=1)
-    run(policy, serve, 150)
-    assert policy.k >= 5
+    def rounds_to_climb(backoff: float, seed: int) -> int:
+        """Rounds from k = 1 until the policy first serves k >= 5 on traffic where 5 is best."""
+        policy, serve, rng = (
+            MeasuredPolicy(replace(LADDER, exploration_backoff=backoff), initial_k=1),
+            traffic(0.9),
+            random.Random(seed),
+        )
+        for round in range(1000):
+            if policy.k >= 5:
+                return round
+            policy.observe(serve(policy.k, 1, rng))
+        return 1000
+
+    plain = [rounds_to_climb(1.0, seed) for seed in range(6)]
+    backed_off = [rounds_to_climb(4.0, seed) for seed in range(6)]
+    assert max(backed_off) < 150
+    assert sum(backed_off) <= 1.1 * sum(plain)
 
 
 def test_a_shorter_k_put_off_by_its_losses_is_tried_at_once_when_the_traffic_turns():
