@@ -56,8 +56,8 @@ class MeasuredPolicy(Schedule):
     the ladder, for `update_interval` rounds, since the traffic may have changed: a try that wins
     is kept, one that loses is repeated only after as many rounds as keep what tries lose within
     `exploration` of the serving time (a close neighbour is tried often, a far worse one seldom),
-    and a shorter neighbour that loses again waits `exploration_backoff` times longer each time,
-    unless the rounds served since say it would now win.
+    and a shorter neighbour that loses again waits `exploration_backoff` times longer each time;
+    a neighbour put off is tried at once when the rounds served since say it would now win.
     A try is judged against the k it left on the same rounds (`paired_rates`), so that the luck
     of its few rounds does not decide it. A try is charged all it cost, its first round included,
     in which a drafter left behind at k = 0 catches up. Rates are kept per batch size, and a
@@ -79,6 +79,7 @@ class MeasuredPolicy(Schedule):
         # in a row have lost
         self.due: dict[tuple[int, int], int] = {}
         self.losses: dict[tuple[int, int], int] = {}
+        self.judged: dict[tuple[int, int], int] = {}  # (k, batch size) -> the round its last try ended
         self.probe_from: int | None = None
         self.trial = (0, 0.0)  # tokens and seconds of the current try's rounds
         self.moved = False  # whether the next round is the first after a move
@@ -136,7 +137,7 @@ class MeasuredPolicy(Schedule):
         if self.probe_from is not None:
             return self._judge_try(b, tried=here, left=self.probe_from)
         for k in self._neighbours(here):
-            if self.rounds >= self.due.get((k, b), 0) or self._now_wins(k, here, b):
+            if self.rounds >= self.due.get((k, b), 0) or self._would_now_win(k, here, b):
                 self.probe_from, self.trial = here, (0, 0.0)
                 self.windows.pop((k, b), None)  # a try measures the present
                 return self.move(k, "probe")
@@ -144,6 +145,7 @@ class MeasuredPolicy(Schedule):
 
     def _judge_try(self, b: int, tried: int, left: int) -> Decision | None:
         self.probe_from = None
+        self.judged[(tried, b)] = self.rounds
         rates = self.paired_rates(tried, left, b)
         if rates is None:
             return self.move(left, "measured")
@@ -177,15 +179,30 @@ class MeasuredPolicy(Schedule):
         self.due[(tried, b)] = self.rounds + int(spacing)
         return self.move(left, "measured")
 
-    def _now_wins(self, shorter: int, here: int, b: int) -> bool:
-        """Whether a shorter k would now win on the rounds at `here`, by what its last try
-        measured its rounds to take: the tokens it would have emitted are known exactly, and its
-        seconds depend on the machine and the batch, not on the traffic. A try that lost and
-        was put off is made at once when the traffic has changed enough for it to win."""
-        if shorter > here:
+    def _would_now_win(self, k: int, here: int, b: int) -> bool:
+        """Whether neighbour k would now win on the rounds just served at `here`, its seconds as
+        its last try measured them (they depend on the machine and the batch, not on the
+        traffic): a try put off by earlier losses is made at once when the traffic has turned,
+        and judged on its own rounds as any other. A shorter k's tokens on these rounds are known
+        exactly (`tokens_at`). A longer k's are estimated: each round that kept all `here` drafts
+        goes on as the longer k's own rounds went on after keeping as many; it is asked no
+        sooner than probe_interval rounds after its last try."""
+        if k < here:
+            rates = self.paired_rates(k, here, b)
+            return rates is not None and rates[0] > rates[1] * (1 + self.params.switch_margin)
+        if self.rounds < self.judged.get((k, b), 0) + self.params.probe_interval:
             return False
-        rates = self.paired_rates(shorter, here, b)
-        return rates is not None and rates[0] > rates[1] * (1 + self.params.switch_margin)
+        if self.rate(k, b) is None or self.rate(here, b) is None:
+            return False
+        tried = self.windows[(k, b)][0]
+        beyond = [min(kept, k) - here for r in tried for kept in r.accepted if kept >= here]
+        if not beyond:
+            return False
+        rounds = self.windows[(here, b)][0]
+        tokens = sum(r.tokens for r in rounds)
+        full = sum(kept >= here for r in rounds for kept in r.accepted)
+        estimate = (tokens + full * sum(beyond) / len(beyond)) / round_seconds(tried)
+        return estimate > tokens / round_seconds(rounds) * (1 + self.params.switch_margin)
 
     def paired_rates(self, tried: int, left: int, b: int) -> tuple[float, float] | None:
         """Tokens per second of the k tried and of the k left, both over the same rounds: those
