@@ -79,7 +79,6 @@ class MeasuredPolicy(Schedule):
         # in a row have lost
         self.due: dict[tuple[int, int], int] = {}
         self.losses: dict[tuple[int, int], int] = {}
-        self.judged: dict[tuple[int, int], int] = {}  # (k, batch size) -> the round its last try ended
         self.probe_from: int | None = None
         self.trial = (0, 0.0)  # tokens and seconds of the current try's rounds
         self.moved = False  # whether the next round is the first after a move
@@ -145,7 +144,6 @@ class MeasuredPolicy(Schedule):
 
     def _judge_try(self, b: int, tried: int, left: int) -> Decision | None:
         self.probe_from = None
-        self.judged[(tried, b)] = self.rounds
         rates = self.paired_rates(tried, left, b)
         if rates is None:
             return self.move(left, "measured")
@@ -185,14 +183,14 @@ class MeasuredPolicy(Schedule):
         traffic): a try put off by earlier losses is made at once when the traffic has turned,
         and judged on its own rounds as any other. A shorter k's tokens on these rounds are known
         exactly (`tokens_at`). A longer k's are estimated: each round that kept all `here` drafts
-        goes on as the longer k's own rounds went on after keeping as many; it is asked no
-        sooner than probe_interval rounds after its last try."""
+        goes on as the longer k's own rounds went on after keeping as many. Neither is asked
+        sooner than probe_interval rounds after it last ran, as `_judge_try` spaces tries."""
+        if self.rate(k, b) is None or self.rounds < self.windows[(k, b)][1] + self.params.probe_interval:
+            return False  # unmeasured, or it ran within the last probe interval
         if k < here:
             rates = self.paired_rates(k, here, b)
             return rates is not None and rates[0] > rates[1] * (1 + self.params.switch_margin)
-        if self.rounds < self.judged.get((k, b), 0) + self.params.probe_interval:
-            return False
-        if self.rate(k, b) is None or self.rate(here, b) is None:
+        if self.rate(here, b) is None:
             return False
         tried = self.windows[(k, b)][0]
         beyond = [min(kept, k) - here for r in tried for kept in r.accepted if kept >= here]
