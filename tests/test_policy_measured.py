@@ -178,11 +178,8 @@ def test_a_shorter_k_that_keeps_losing_is_tried_ever_more_seldom_a_longer_one_as
 def test_backing_off_does_not_slow_the_climb():
     def rounds_to_climb(backoff: float, seed: int) -> int:
         """Rounds from k = 1 until the policy first serves k >= 5 on traffic where 5 is best."""
-        policy, serve, rng = (
-            MeasuredPolicy(replace(LADDER, exploration_backoff=backoff), initial_k=1),
-            traffic(0.9),
-            random.Random(seed),
-        )
+        policy = MeasuredPolicy(replace(LADDER, exploration_backoff=backoff), initial_k=1)
+        serve, rng = traffic(0.9), random.Random(seed)
         for round in range(1000):
             if policy.k >= 5:
                 return round

@@ -93,13 +93,18 @@ class MeasuredPolicy(Schedule):
             return 0.0
         return sum(r.tokens for r in window[0]) / (len(window[0]) * self.batch_size) - 1
 
-    def rate(self, k: int, batch_size: int) -> float | None:
-        """Tokens per second of k's recent rounds at this batch size, while current; a round the
-        machine stalled in counts for at most STALL_FACTOR times the window's median."""
+    def current(self, k: int, batch_size: int) -> deque[Round] | None:
+        """k's recent rounds at this batch size, while they are current."""
         window = self.windows.get((k, batch_size))
         if window is None or self.rounds - window[1] > FRESH_SPACINGS * MAX_SPACING * self.params.probe_interval:
             return None
-        return window_rate(window[0])
+        return window[0]
+
+    def rate(self, k: int, batch_size: int) -> float | None:
+        """Tokens per second of k's recent rounds at this batch size, while current; a round the
+        machine stalled in counts for at most STALL_FACTOR times the window's median."""
+        rounds = self.current(k, batch_size)
+        return None if rounds is None else window_rate(rounds)
 
     def learn(self, observation: Observation) -> None:
         self.rounds += 1
@@ -185,18 +190,15 @@ class MeasuredPolicy(Schedule):
         exactly (`tokens_at`). A longer k's are estimated: each round that kept all `here` drafts
         goes on as the longer k's own rounds went on after keeping as many. Neither is asked
         sooner than probe_interval rounds after it last ran, as `_judge_try` spaces tries."""
-        if self.rate(k, b) is None or self.rounds < self.windows[(k, b)][1] + self.params.probe_interval:
+        tried, rounds = self.current(k, b), self.current(here, b)
+        if tried is None or rounds is None or self.rounds < self.windows[(k, b)][1] + self.params.probe_interval:
             return False  # unmeasured, or it ran within the last probe interval
         if k < here:
             rates = self.paired_rates(k, here, b)
             return rates is not None and rates[0] > rates[1] * (1 + self.params.switch_margin)
-        if self.rate(here, b) is None:
-            return False
-        tried = self.windows[(k, b)][0]
         beyond = [min(kept, k) - here for r in tried for kept in r.accepted if kept >= here]
         if not beyond:
             return False
-        rounds = self.windows[(here, b)][0]
         tokens = sum(r.tokens for r in rounds)
         full = sum(kept >= here for r in rounds for kept in r.accepted)
         estimate = (tokens + full * sum(beyond) / len(beyond)) / round_seconds(tried)
@@ -207,12 +209,14 @@ class MeasuredPolicy(Schedule):
         of the longer one, whose tokens at the shorter are known exactly (`tokens_at`), each k's
         round seconds its own. Tokens vary from round to round far more than seconds do; judged
         on the same rounds, that luck falls on both sides alike."""
-        if self.rate(tried, b) is None or self.rate(left, b) is None:
+        tried_rounds, left_rounds = self.current(tried, b), self.current(left, b)
+        if tried_rounds is None or left_rounds is None:
             return None
+        windows = {tried: tried_rounds, left: left_rounds}
         short, long = sorted((tried, left))
-        rounds = self.windows[(long, b)][0]
+        rounds = windows[long]
         tokens = {long: sum(r.tokens for r in rounds), short: sum(tokens_at(r.accepted, short) for r in rounds)}
-        rates = {k: tokens[k] / (len(rounds) * round_seconds(self.windows[(k, b)][0])) for k in (short, long)}
+        rates = {k: tokens[k] / (len(rounds) * round_seconds(windows[k])) for k in (short, long)}
         return rates[tried], rates[left]
 
     def _neighbours(self, k: int) -> list[int]:
