@@ -45,6 +45,7 @@ from pathlib import Path
 
 from control.config import ConfigSnapshot, load_config
 from daemon import runtime
+from daemon.logs import configure_logging
 from daemon.runtime import Models, load_models
 from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS
 from engine.controller import Controller
@@ -548,8 +549,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def bench_snapshot(args: argparse.Namespace) -> ConfigSnapshot:
     """The config a bench runs (--config, by default the daemon's), with --target, --draft and
-    --drafter over it, so that a bench measures what the daemon serves."""
+    --drafter over it, so that a bench measures what the daemon serves; logging is set up as the
+    daemon sets it up, so that events below its level (the policy's own switches) are dropped, not
+    written out in the middle of the rounds being timed."""
     snapshot = load_config(args.config)
+    configure_logging(snapshot.logging.level, snapshot.logging.format)
     engine = snapshot.engine
     if args.target is not None:
         engine = replace(engine, target=Path(args.target))
