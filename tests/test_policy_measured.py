@@ -130,7 +130,9 @@ def test_a_parameter_swap_keeps_what_was_measured_and_snaps_k():
 
 def test_make_policy_builds_it_from_the_config_name():
     assert isinstance(make_policy(LADDER), MeasuredPolicy)
-    assert make_policy(LADDER).k == 2  # the middle of the ladder: the best k is at most half of it away
+    # A new engine starts at k = 2, or the candidate nearest it.
+    assert make_policy(LADDER).k == 2
+    assert make_policy(replace(LADDER, candidate_k=(0, 3, 7))).k == 3
 
 
 def test_a_try_is_judged_on_the_same_rounds_as_the_k_it_left_not_on_its_own_luck():
