@@ -553,7 +553,7 @@ def bench_snapshot(args: argparse.Namespace) -> ConfigSnapshot:
     daemon sets it up, so that events below its level (the policy's own switches) are dropped, not
     written out in the middle of the rounds being timed."""
     snapshot = load_config(args.config)
-    configure_logging(snapshot.logging.level, snapshot.logging.format)
+    configure_logging(snapshot.logging.level, snapshot.logging.format, cache=False)
     engine = snapshot.engine
     if args.target is not None:
         engine = replace(engine, target=Path(args.target))

@@ -70,14 +70,24 @@ def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
 
 
+class _CurrentStderr:
+    """sys.stderr as it is when an event is written (a test harness replaces it for a while)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 class _NamedPrintLogger(structlog.PrintLogger):
-    def __init__(self, file: TextIO, name: str) -> None:
+    def __init__(self, file: TextIO | _CurrentStderr, name: str) -> None:
         super().__init__(file)
         self.name = name
 
 
 class _NamedPrintLoggerFactory:
-    def __init__(self, file: TextIO) -> None:
+    def __init__(self, file: TextIO | _CurrentStderr) -> None:
         self._file = file
 
     def __call__(self, *args: Any) -> _NamedPrintLogger:
@@ -154,17 +164,23 @@ class _StdlibHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Our handler on the root logger, told apart so that reconfiguring replaces it."""
 
 
-def configure_logging(level: str = "info", fmt: str = "auto", *, stream: TextIO | None = None) -> None:
+def configure_logging(
+    level: str = "info", fmt: str = "auto", *, stream: TextIO | None = None, cache: bool = True
+) -> None:
     """Set up structlog (and route standard-library logging) to write to `stream` (stderr).
 
     `fmt` is "json", "console", or "auto": JSON unless the stream is a terminal. Call it before
     the first event is logged, and again whenever the level or format changes. Loggers cached
     before keep the stream of their first use, so keep the same stream when calling it again.
+    With cache=False no logger is kept (each event builds its own, a few microseconds): for code
+    that may run in a process whose logging is set up again later, as the benches are in tests.
+    Without a stream, events go to sys.stderr as it is when each is written.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; expected one of {', '.join(FORMATS)}")
     set_level(level)
     out = sys.stderr if stream is None else stream
+    target = _CurrentStderr() if stream is None else stream
     tty = _is_tty(out)
     as_json = fmt == "json" or (fmt == "auto" and not tty)
 
@@ -192,11 +208,11 @@ def configure_logging(level: str = "info", fmt: str = "auto", *, stream: TextIO 
         ],
         # NOTSET: every method reaches the processors, where _drop_below_level reads the level.
         wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
-        logger_factory=_NamedPrintLoggerFactory(out),
-        cache_logger_on_first_use=True,
+        logger_factory=_NamedPrintLoggerFactory(target),
+        cache_logger_on_first_use=cache,
     )
 
-    handler = _StdlibHandler(out)
+    handler = _StdlibHandler(target)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.processors.add_log_level, structlog.stdlib.add_logger_name, stamp],

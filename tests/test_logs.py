@@ -35,6 +35,20 @@ def json_lines(text: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+def test_without_a_stream_events_go_to_stderr_as_it_is_when_written(
+    restore_logging: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    logs.configure_logging("info", "json")
+    log = logs.get_logger("adaspec.swapped")
+    log.info("one")
+    monkeypatch.setattr(sys, "stderr", second)  # as a test harness does between tests
+    first.close()
+    log.info("two")  # the logger was kept on first use; its stream was not
+    assert [line["event"] for line in json_lines(second.getvalue())] == ["two"]
+
+
 def test_json_lines_and_runtime_level(restore_logging: None) -> None:
     out = io.StringIO()
     logs.configure_logging("info", "json", stream=out)
