@@ -438,7 +438,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     const int64_t widest = longest_k * PANEL + 16; /* per thread: one widened panel */
     int64_t floats = (int64_t)tokens * (hidden + qkv_size + q_size + inter) + threads * (per_thread + normed + widest) + 16 * 8;
     float *arena = malloc(sizeof(float) * (size_t)floats);
-    int64_t *where = malloc(sizeof(int64_t) * (size_t)(3 * tokens + 2 * outputs + b->rows + 1));
+    int64_t *where = malloc(sizeof(int64_t) * (size_t)(3 * tokens + 2 * outputs + 4 * b->rows + 1));
     if (!arena || !where) {
         free(arena);
         free(where);
@@ -454,8 +454,10 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
      * per output: the token whose logits it is, and its row of `logits`. */
     int64_t *padded = where, *cache_row = where + tokens, *position = where + 2 * tokens;
     int64_t *selected = where + 3 * tokens, *out_row = selected + outputs, *row_first = out_row + outputs;
+    /* Per row: its first output's index, the first of its tokens that are outputs, and how many. */
+    int64_t *row_out = row_first + b->rows, *out_from = row_out + b->rows, *out_n = out_from + b->rows;
     for (int r = 0, t = 0, o = 0; r < b->rows; r++) {
-        row_first[r] = t;
+        row_first[r] = t, row_out[r] = o, out_n[r] = 0;
         for (int j = 0; j < b->count[r]; j++, t++) {
             padded[t] = (int64_t)r * b->width + j;
             cache_row[t] = b->slot[r];
@@ -468,8 +470,18 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
             } else {
                 selected[o] = t, out_row[o] = padded[t], o++;
             }
+            if (o - row_out[r] > out_n[r]) {
+                if (out_n[r] == 0) out_from[r] = j;
+                out_n[r]++;
+            }
         }
     }
+    /* The last layer only needs to finish the rows whose logits are wanted (one row of a prefill's
+     * hundreds): every other token's keys and values are all that later positions read. Not where
+     * the last layer's outputs are captured, nor in a block whose tokens see each other. A row's
+     * result does not depend on which rows share its tiles, so the wanted rows are unchanged. */
+    int finish_outputs_only = outputs < tokens && !b->block;
+    for (int c = 0; c < b->num_captured; c++) finish_outputs_only &= b->captured_layers[c] != m->num_layers - 1;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -495,6 +507,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         for (int l = 0; l < m->num_layers; l++) {
             const Layer *layer = &m->layers[l];
             float *k_cache = cache->k + l * cache->k_layer, *v_cache = cache->v + l * cache->v_layer;
+            const int outputs_only = finish_outputs_only && l == m->num_layers - 1;
             rms_norm_rows(x, tokens, layer->input_norm, hidden, m->eps, h);
             linear(h, tokens, &layer->qkv, qkv, qkv_size, NULL, 0, widened);
 
@@ -517,17 +530,30 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < b->rows; r++) {
                 for (int kv = 0; kv < kv_heads; kv++) {
-                    attend(m, kv, qkv + row_first[r] * qkv_size, qkv_size, b->count[r], b->start[r], b->block,
+                    /* All of the row's tokens, or (outputs_only) its outputs, written in output order. */
+                    const int64_t from = outputs_only ? out_from[r] : 0, first = row_first[r] + from;
+                    const int count = outputs_only ? (int)out_n[r] : b->count[r];
+                    if (count == 0) continue;
+                    attend(m, kv, qkv + first * qkv_size, qkv_size, count, b->start[r] + (int)from, b->block,
                            k_cache + b->slot[r] * cache->k_slot + (int64_t)kv * dim * cache->positions, cache->positions,
                            v_cache + b->slot[r] * cache->v_slot + (int64_t)kv * dim, key_stride,
-                           attn + row_first[r] * q_size, q_size, &my_scratch);
+                           attn + (outputs_only ? row_out[r] : row_first[r]) * q_size, q_size, &my_scratch);
                 }
             }
-            linear(attn, tokens, &layer->o_proj, x, hidden, NULL, 1, widened);
+            int finishing = tokens;
+            if (outputs_only) {
+                /* The outputs' residuals move to the front, in order (selected[s] >= s). */
+#pragma omp single
+                for (int s = 0; s < outputs; s++)
+                    if (selected[s] != s)
+                        memcpy(x + (int64_t)s * hidden, x + selected[s] * hidden, sizeof(float) * (size_t)hidden);
+                finishing = outputs;
+            }
+            linear(attn, finishing, &layer->o_proj, x, hidden, NULL, 1, widened);
 
-            rms_norm_rows(x, tokens, layer->post_norm, hidden, m->eps, h);
-            linear_glu(h, tokens, &layer->gate_up, act, inter, widened);
-            linear(act, tokens, &layer->down, x, hidden, NULL, 1, widened);
+            rms_norm_rows(x, finishing, layer->post_norm, hidden, m->eps, h);
+            linear_glu(h, finishing, &layer->gate_up, act, inter, widened);
+            linear(act, finishing, &layer->down, x, hidden, NULL, 1, widened);
 
             const int64_t captured_stride = b->captured_stride > 0 ? b->captured_stride : hidden;
             for (int c = 0; c < b->num_captured; c++) {
@@ -540,7 +566,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         }
 
         for (int s = 0; s < outputs; s++)
-            rms_norm(x + selected[s] * hidden, m->norm, hidden, m->eps, h + (int64_t)s * hidden);
+            rms_norm(x + (finish_outputs_only ? s : selected[s]) * hidden, m->norm, hidden, m->eps, h + (int64_t)s * hidden);
         linear(h, outputs, &m->lm_head, b->logits, m->vocab, out_row, 0, widened);
         /* Greedy verification reads the argmax: here, while the logits are in the caches, instead
          * of a reduction from Python after the call returns. */

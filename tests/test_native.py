@@ -208,3 +208,22 @@ def test_the_forward_hands_greedy_verification_each_rows_argmax(target):
     out = forward(model, cache, slots, [[3, 4, 5, 6, 7, 8], [9], [10, 11, 12]])
     assert out.argmax.shape == (3, 6) and torch.equal(out.argmax, out.logits.argmax(dim=-1))
     assert not out.argmax[1, 1:].any()  # padding
+
+
+@torch.inference_mode()
+def test_a_prefill_finishes_only_the_rows_it_returns_with_the_logits_and_cache_of_finishing_all(target):
+    """The last layer's attention, MLP and norm run only for the tokens whose logits are wanted
+    (a prefill's last): their logits, every cache entry and the next step are those of a forward
+    that finishes every token."""
+    model = target.model
+    prompts = [list(range(7, 7 + n)) for n in (120, 1, 37)]
+    short, full = model.new_cache(3, 256), model.new_cache(3, 256)
+    slots = [short.allocate() for _ in prompts]
+    assert slots == [full.allocate() for _ in prompts]
+    last = forward(model, short, slots, prompts, last_only=True).logits[:, 0]
+    every = forward(model, full, slots, prompts).logits
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(last[row], every[row, len(prompt) - 1])
+    assert torch.equal(short.k, full.k) and torch.equal(short.v, full.v)
+    step = [[5], [6, 7], [8]]
+    assert torch.equal(forward(model, short, slots, step).logits, forward(model, full, slots, step).logits)
