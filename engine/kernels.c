@@ -438,7 +438,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     const int64_t widest = longest_k * PANEL + 16; /* per thread: one widened panel */
     int64_t floats = (int64_t)tokens * (hidden + qkv_size + q_size + inter) + threads * (per_thread + normed + widest) + 16 * 8;
     float *arena = malloc(sizeof(float) * (size_t)floats);
-    int64_t *where = malloc(sizeof(int64_t) * (size_t)(3 * tokens + 2 * outputs + 4 * b->rows + 1));
+    int64_t *where = malloc(sizeof(int64_t) * (size_t)(3 * tokens + 2 * outputs + 2 * b->rows + 2));
     if (!arena || !where) {
         free(arena);
         free(where);
@@ -454,10 +454,10 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
      * per output: the token whose logits it is, and its row of `logits`. */
     int64_t *padded = where, *cache_row = where + tokens, *position = where + 2 * tokens;
     int64_t *selected = where + 3 * tokens, *out_row = selected + outputs, *row_first = out_row + outputs;
-    /* Per row: its first output's index, the first of its tokens that are outputs, and how many. */
-    int64_t *row_out = row_first + b->rows, *out_from = row_out + b->rows, *out_n = out_from + b->rows;
+    /* Per row: its first output (row r's outputs are row_out[r] .. row_out[r + 1] - 1). */
+    int64_t *row_out = row_first + b->rows;
     for (int r = 0, t = 0, o = 0; r < b->rows; r++) {
-        row_first[r] = t, row_out[r] = o, out_n[r] = 0;
+        row_first[r] = t, row_out[r] = o;
         for (int j = 0; j < b->count[r]; j++, t++) {
             padded[t] = (int64_t)r * b->width + j;
             cache_row[t] = b->slot[r];
@@ -470,12 +470,9 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
             } else {
                 selected[o] = t, out_row[o] = padded[t], o++;
             }
-            if (o - row_out[r] > out_n[r]) {
-                if (out_n[r] == 0) out_from[r] = j;
-                out_n[r]++;
-            }
         }
     }
+    row_out[b->rows] = outputs;
     /* The last layer only needs to finish the rows whose logits are wanted (one row of a prefill's
      * hundreds): every other token's keys and values are all that later positions read. Not where
      * the last layer's outputs are captured, nor in a block whose tokens see each other. A row's
@@ -530,10 +527,11 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < b->rows; r++) {
                 for (int kv = 0; kv < kv_heads; kv++) {
-                    /* All of the row's tokens, or (outputs_only) its outputs, written in output order. */
-                    const int64_t from = outputs_only ? out_from[r] : 0, first = row_first[r] + from;
-                    const int count = outputs_only ? (int)out_n[r] : b->count[r];
+                    /* All of the row's tokens, or (outputs_only) its outputs, written in output order:
+                     * a row's outputs are consecutive tokens, from its first selected one. */
+                    const int count = outputs_only ? (int)(row_out[r + 1] - row_out[r]) : b->count[r];
                     if (count == 0) continue;
+                    const int64_t from = outputs_only ? selected[row_out[r]] - row_first[r] : 0, first = row_first[r] + from;
                     attend(m, kv, qkv + first * qkv_size, qkv_size, count, b->start[r] + (int)from, b->block,
                            k_cache + b->slot[r] * cache->k_slot + (int64_t)kv * dim * cache->positions, cache->positions,
                            v_cache + b->slot[r] * cache->v_slot + (int64_t)kv * dim, key_stride,
