@@ -14,7 +14,9 @@ run is closed-loop: --concurrency requests in flight, the next one submitted as 
 Modes: `none` (target only), `static:K` (a fixed k), `adaptive:measured`, `adaptive:ema` (the
 config's [adaptive] parameters with that strategy, and that strategy's default candidates where the
 config has the default; `+NAME=VALUE` overrides one more parameter or initial_k, as in
-`adaptive:measured+exploration=0.01`). Every mode serves the same requests on the same
+`adaptive:measured+exploration=0.01`); `+drafter=KIND`, `+verification=RULE`,
+`+draft_quantization=int8|none` and `+eagle3=PATH` (another EAGLE-3 head, to compare heads) change
+the engine's settings for that mode. Every mode serves the same requests on the same
 loaded models in this process, side by side: the modes take turns a round at a time, and each
 is timed by its own rounds, so a change in the machine's speed is shared by all of them.
 A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
@@ -49,6 +51,7 @@ from daemon.logs import configure_logging
 from daemon.runtime import Models, load_models
 from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS
 from engine.controller import Controller
+from engine.eagle3 import load_eagle3
 from engine.policy import DEFAULT_CANDIDATES, PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -188,12 +191,14 @@ def build_controller(
     mode: str, snapshot: ConfigSnapshot, models: Models, concurrency: int, max_seq_len: int
 ) -> Controller:
     """The engine a mode runs, assembled as the daemon assembles its own, `concurrency` slots wide."""
-    return runtime.build_controller(
-        mode_snapshot(snapshot, mode), models, max_batch_size=concurrency, max_seq_len=max_seq_len
-    )
+    settings = mode_snapshot(snapshot, mode)
+    head = settings.engine.eagle3
+    if head is not None and head != snapshot.engine.eagle3:  # +eagle3=PATH: that head, on the loaded target
+        models = replace(models, eagle3=load_eagle3(head, models.target.model))
+    return runtime.build_controller(settings, models, max_batch_size=concurrency, max_seq_len=max_seq_len)
 
 
-ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization")
+ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization", "eagle3")
 
 
 def drafters_of(modes: list[str]) -> set[str]:
@@ -212,11 +217,13 @@ def parse_override(text: str) -> tuple[str, object]:
         return name, value
     if name == "draft_quantization" and value in DRAFT_QUANTIZATIONS:
         return name, value
+    if name == "eagle3" and value:
+        return name, Path(value)
     if name not in (*PolicyParams.__dataclass_fields__, "initial_k") or not value:
         raise SystemExit(
             f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
             f"verification={'|'.join(CHAIN_RULES)}, drafter={'|'.join(DRAFTERS)} "
-            f"or draft_quantization={'|'.join(DRAFT_QUANTIZATIONS)}"
+            f"draft_quantization={'|'.join(DRAFT_QUANTIZATIONS)} or eagle3=PATH"
         )
     if name == "candidate_k":
         try:

@@ -650,3 +650,120 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     outside[ids] = -1
     assert small.config.draft_vocab_size == 16 and int(counts[ids].min()) >= int(outside.max())  # the most frequent
     assert bool(small.t2d[ids].all()) and int(small.t2d.sum()) == 16
+
+    # Widened from the first head (its MLP twice the target's) and trained for a time budget.
+    wide, width = tmp_path / "wide", 2 * target.model.config.intermediate_size
+    command = [sys.executable, "tools/train_eagle3.py", str(target.path), str(wide), "--init", str(out)]
+    command += ["--time-budget", "2", "--intermediate-size", str(width), "--unroll", "3", "--seq-len", "40"]
+    command += ["--prompt-len", "16", "--regenerate", "12", "--chains", "8", "--batch", "4", "--prompts", "0"]
+    command += ["--data", str(tmp_path / "data.txt"), "--work", str(tmp_path / "work_wide")]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    wide_report = json.loads((wide / "training_report.json").read_text())
+    assert wide_report["time_budget"] == 2 and wide_report["steps"] > 0
+    assert 2 <= wide_report["wall_seconds_this_run"] < 60
+    assert load_eagle3(wide, target.model).config.intermediate_size == width
+
+
+def test_a_head_widened_for_training_starts_as_the_narrower_one(pair):
+    """--init with a wider --intermediate-size: the new units cannot change the output until they
+    learn (their down projections start at zero), so training starts from the narrower head."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_eagle3 import widen_mlp
+
+    target, _ = pair
+    narrow = head_for(target.model, draft_vocab=8)
+    wide = Eagle3Model(replace(narrow.config, intermediate_size=160), narrow.taps)
+    wide.load_state_dict(widen_mlp(narrow.state_dict(), wide))
+    features = torch.randn(3, narrow.config.hidden_size)
+    attended = torch.randn(3, narrow.config.num_heads, narrow.config.head_dim)
+    torch.testing.assert_close(wide.finish(attended, features), narrow.finish(attended, features))
+    assert wide.midlayer.mlp.gate_proj.weight[96:].abs().sum() > 0  # the new units can learn
+    torch.testing.assert_close(wide.draft_logits(features), narrow.draft_logits(features))
+    with pytest.raises(SystemExit, match="an MLP of 96 units: it can be widened to --intermediate-size, not cut to 64"):
+        widen_mlp(narrow.state_dict(), Eagle3Model(replace(narrow.config, intermediate_size=64), narrow.taps))
+
+
+def test_regenerated_continuations_are_the_targets_greedy_output_and_resume(pair, tmp_path):
+    """The training data the scripts regenerate: each window followed by what the target itself
+    decodes greedily, many windows decoded in step; a second call adds to the first's."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_dflash import greedy_continuations
+
+    target, _ = pair
+    data = torch.tensor([t for prompt in PROMPTS for t in prompt] * 3)
+    path = tmp_path / "greedy.pt"
+    first = greedy_continuations(target.path, data, 5, 6, 9, path, seed=1, chunk=2)
+    assert first.shape == (5, 15)
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    expected = generate(target, [row[:6].tolist() for row in first], params)
+    assert [row[6:].tolist() for row in first] == [c.tokens for c in expected]
+    more = greedy_continuations(target.path, data, 7, 6, 9, path, seed=1, chunk=4)
+    assert more.shape == (7, 15) and torch.equal(more[:5], first)
+
+
+def test_training_files_leave_out_the_folders_named(tmp_path):
+    """--exclude: a package's vendored copies of other packages stay out of the training data."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_dflash import text_files
+
+    for name in ("pkg/a.py", "pkg/_vendor/b.py", "pkg/sub/tests/c.py", "pkg/sub/d.py", "pkg/notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    names = lambda files: sorted(str(f.relative_to(tmp_path)) for f in files)  # noqa: E731
+    assert names(text_files([tmp_path / "pkg"], ("_vendor", "tests"))) == ["pkg/a.py", "pkg/sub/d.py"]
+    assert len(text_files([tmp_path / "pkg"])) == 4
+    assert names(text_files([tmp_path / "pkg" / "_vendor"], ("_vendor",))) == ["pkg/_vendor/b.py"]  # named itself
+
+
+def test_a_bench_mode_serves_the_eagle3_head_it_names(pair, tmp_path):
+    """`+eagle3=PATH` in a bench mode: that head drafts in place of the config's, on the same
+    loaded target, so two heads are compared side by side; a path with no head is named."""
+    from bench import spec
+    from control.config import load_config
+    from daemon.runtime import load_models
+
+    target, _ = pair
+    save_eagle3(head_for(target.model), tmp_path / "head")
+    save_eagle3(head_for(target.model, draft_vocab=8, seed=1), tmp_path / "other")
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[engine]\ntarget = "{target.path}"\ndrafter = "eagle3"\neagle3 = "head"\nmax_seq_len = {MAX_SEQ_LEN}\n'
+    )
+    snapshot = load_config(config, check_models=True)
+    models = load_models(snapshot)
+    ours = spec.build_controller("static:2", snapshot, models, 1, MAX_SEQ_LEN)
+    theirs = spec.build_controller(f"static:2+eagle3={tmp_path / 'other'}", snapshot, models, 1, MAX_SEQ_LEN)
+    assert ours.engine.drafter.model.config.draft_vocab_size == target.model.config.vocab_size
+    assert theirs.engine.drafter.model.config.draft_vocab_size == 8
+    assert_serves_losslessly(theirs, target)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        spec.build_controller(f"static:2+eagle3={tmp_path / 'nowhere'}", snapshot, models, 1, MAX_SEQ_LEN)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="training on CUDA needs a CUDA device")
+
+
+@needs_cuda
+def test_the_training_loss_on_cuda_is_the_cpus(pair):
+    """tools/train_eagle3.py --device cuda: the same chain starts give the same loss and gradients
+    as on the CPU (every tensor the loss builds lives on the head's device)."""
+    from engine.checkpoint import load_checkpoint
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_eagle3 import ttt_loss
+
+    target, _ = pair
+    on_cuda = load_checkpoint(target.path, "cuda", "float32", native_forward=False).model
+    on_cpu = load_checkpoint(target.path, "cpu", "float32", native_forward=False).model
+    tokens = torch.tensor([(p * 16)[:32] for p in PROMPTS])
+    losses, grads = [], []
+    for model, device in ((on_cpu, "cpu"), (on_cuda, "cuda")):
+        head = head_for(target.model, draft_vocab=8).to(device).train().requires_grad_(True)
+        loss, steps = ttt_loss(head, model, tokens.to(device), 6, 3, 0.8, torch.Generator().manual_seed(0), 2, 0.2)
+        loss.backward()
+        losses.append((loss.item(), steps))
+        grads.append(head.fc.weight.grad.cpu())
+    assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-3)
+    assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-3)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-5)

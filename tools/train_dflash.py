@@ -59,10 +59,13 @@ from engine.drafters import Drafter  # noqa: E402
 from engine.model import Transformer  # noqa: E402
 
 
-def text_files(paths: list[Path]) -> list[Path]:
+def text_files(paths: list[Path], exclude: tuple[str, ...] = ()) -> list[Path]:
+    """The .py files of `paths` (files or folders), leaving out those under a folder named in
+    `exclude` (a package's vendored copies of others, say)."""
     files: list[Path] = []
     for path in paths:
-        files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+        found = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        files.extend(f for f in found if not exclude or not set(f.relative_to(path).parts[:-1]) & set(exclude))
     return files
 
 
@@ -73,24 +76,35 @@ def default_data() -> tuple[list[Path], list[Path]]:
     return stdlib_files()
 
 
-def token_stream(target: Checkpoint, files: list[Path]) -> torch.Tensor:
+def token_stream(target: Checkpoint, files: list[Path], group: int = 256) -> torch.Tensor:
+    """Every readable file's tokens followed by EOS, in order; files are encoded `group` at a time
+    (the tokenizer spreads a batch over the cores)."""
     ids: list[int] = []
     eos = min(target.eos_token_ids) if target.eos_token_ids else 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        ids.extend(target.tokenizer.encode(text).ids)
-        ids.append(eos)
+    for first in range(0, len(files), group):
+        texts = []
+        for path in files[first : first + group]:
+            try:
+                texts.append(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, OSError):
+                continue
+        for encoding in target.tokenizer.encode_batch(texts):
+            ids.extend(encoding.ids)
+            ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
 
-def training_data(args: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[Path]]:
-    """The target on PyTorch operators (they have a backward), the training tokens of --data (or
-    the standard library's), and the held-out files."""
-    target = load_checkpoint(args.target, native_forward=False)
-    train_files, held_files = (text_files(args.data), text_files(args.held_out or [])) if args.data else default_data()
+def training_data(
+    args: argparse.Namespace, device: str = "cpu", exclude: tuple[str, ...] = ()
+) -> tuple[Checkpoint, torch.Tensor, list[Path]]:
+    """The target on PyTorch operators (they have a backward) in float32 on `device`, the
+    training tokens of --data (or the standard library's; folders named in `exclude` left out),
+    and the held-out files."""
+    target = load_checkpoint(args.target, device, "float32", native_forward=False)
+    if args.data:
+        train_files, held_files = text_files(args.data, exclude), text_files(args.held_out or [])
+    else:
+        train_files, held_files = default_data()
     data = token_stream(target, train_files)
     if len(data) < args.seq_len + 1:
         raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")
@@ -191,36 +205,50 @@ def block_loss(
 
 @torch.inference_mode()
 def greedy_continuations(
-    target_path: Path, data: torch.Tensor, count: int, prompt_len: int, new_tokens: int, path: Path, seed: int
+    target_path: Path,
+    data: torch.Tensor,
+    count: int,
+    prompt_len: int,
+    new_tokens: int,
+    path: Path,
+    seed: int,
+    device: str = "cpu",
+    chunk: int = 64,
 ) -> torch.Tensor:
     """`count` sequences of `prompt_len` training tokens each followed by the target's own greedy
     continuation of `new_tokens`: the text a drafter meets when the target serves greedily (the
-    published recipe regenerates its responses with the target). Kept in `path` chunk by chunk,
-    so an interrupted run picks up where it stopped."""
-    from engine.generate import generate
-    from engine.sampling import SamplingParams
-
+    published recipe regenerates its responses with the target). Decoded `chunk` sequences at a
+    time on `device` and kept in `path` chunk by chunk, so an interrupted run picks up where it
+    stopped."""
     done = torch.load(path) if path.exists() else torch.empty(0, prompt_len + new_tokens, dtype=torch.long)
     if len(done) >= count:
         return done[:count]
-    served = load_checkpoint(target_path)  # the compiled forward, as served
+    served = load_checkpoint(target_path, device)  # as served: the compiled forward on a CPU
+    model = served.model
     rng = random.Random(seed * 7919 + len(done))
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     started, before = time.time(), len(done)
     while len(done) < count:
-        chunk = min(64, count - len(done))
-        starts = [rng.randrange(0, len(data) - prompt_len) for _ in range(chunk)]
-        prompts = [data[s : s + prompt_len].tolist() for s in starts]
-        completions = generate(served, prompts, params)
-        rows = torch.tensor([c.prompt_tokens + c.tokens for c in completions], dtype=torch.long)
-        done = torch.cat((done, rows))
+        rows = min(chunk, count - len(done))
+        starts = [rng.randrange(0, len(data) - prompt_len) for _ in range(rows)]
+        prompts = torch.stack([data[s : s + prompt_len] for s in starts])
+        with torch.inference_mode():
+            # Greedy to a fixed length: the whole chunk decodes in step, one argmax per step.
+            cache = model.new_cache(rows, prompt_len + new_tokens)
+            slots = [cache.allocate() for _ in range(rows)]
+            pending, generated = prompts.tolist(), []
+            for _ in range(new_tokens):
+                logits = model(model.batch(cache, slots, pending), cache, last_only=True).logits[:, -1]
+                pending = logits.argmax(dim=-1, keepdim=True).tolist()
+                generated.append(pending)
+        done = torch.cat((done, torch.cat((prompts, torch.tensor(generated).squeeze(-1).T), dim=1)))
         torch.save(done, path)
         rate = (len(done) - before) * new_tokens / max(time.time() - started, 1e-9)
         print(f"regenerated {len(done)}/{count} sequences ({rate:.0f} tokens/s)", file=sys.stderr, flush=True)
     return done
 
 
-def lr_at(step: int, steps: int, peak: float) -> float:
+def lr_at(step: float, steps: float, peak: float) -> float:
+    """Linear warm-up over the first 4% of `steps`, then cosine decay; `step` may be seconds of a time budget."""
     warmup = max(1, int(0.04 * steps))
     if step < warmup:
         return peak * (step + 1) / warmup

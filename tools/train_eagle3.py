@@ -2,8 +2,9 @@
 
     python tools/train_eagle3.py TARGET OUT [--steps 2000] [--unroll 7] [--decay 0.8] [--batch 8]
         [--seq-len 256] [--chains 48] [--lr 6e-4] [--greedy-weight 0] [--taps L1 L2 L3] [--draft-vocab N]
-        [--work DIR] [--seed 0]
-        [--regenerate N [--prompt-len 96]] [--init HEAD] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
+        [--work DIR] [--seed 0] [--device cpu] [--time-budget SECONDS] [--intermediate-size N]
+        [--regenerate N [--prompt-len 96] [--regenerate-chunk 64]] [--init HEAD]
+        [--data FILE_OR_DIR ... [--exclude FOLDER_NAME ...]] [--held-out FILE_OR_DIR ...]
 
 The published recipe, small. The head reads the target's outputs at three layers (by default
 SGLang's: the inputs of layers 2, L/2 and L-3). Training-time test: from random chain starts p in
@@ -18,7 +19,10 @@ training tokens each followed by the target's own greedy continuation to --seq-l
 meets when the target serves greedily), and chains start in the continuation. With --draft-vocab N
 the head drafts only the N tokens most frequent in the training data (a smaller LM head, so a
 cheaper step; d2t and t2d map them, as the published heads do), and the target's distribution is
-renormalized over them; --init from a head over the whole vocabulary keeps its rows for them.
+renormalized over them; --init from a head over the whole vocabulary keeps its rows for them, and
+from a head with a narrower MLP (--intermediate-size) starts as that head. On an accelerator
+(--device cuda), the continuations decode --regenerate-chunk at a time, and --time-budget trains
+for a fixed time with the schedule running on the clock.
 
 Data, resumption and the final report are those of tools/train_dflash.py: the standard library's
 .py files by default (its test files held out), a checkpoint in --work every 100 steps, and at the
@@ -66,7 +70,7 @@ def head_config(target: Transformer, args: argparse.Namespace) -> Eagle3Config:
         num_heads=tc.num_heads,
         num_kv_heads=tc.num_kv_heads,
         head_dim=tc.head_dim,
-        intermediate_size=tc.intermediate_size,
+        intermediate_size=args.intermediate_size or tc.intermediate_size,
         vocab_size=tc.vocab_size,
         draft_vocab_size=args.draft_vocab or tc.vocab_size,
         target_hidden_size=tc.hidden_size,
@@ -90,7 +94,7 @@ def chain_attention(
     context_k = keys.repeat_interleave(repeat, dim=2)
     context_v = values.repeat_interleave(repeat, dim=2)
     scores = torch.einsum("nshd,nphd->nhsp", q, context_k) * scale
-    visible = torch.arange(keys.shape[1])[None, None, :] <= starts[:, :, None]  # [N, S, P]
+    visible = torch.arange(keys.shape[1], device=keys.device)[None, None, :] <= starts[:, :, None]  # [N, S, P]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     if not own:
         return torch.einsum("nhsp,nphd->nshd", torch.softmax(scores, dim=-1), context_v)
@@ -100,6 +104,28 @@ def chain_attention(
     weights = torch.softmax(torch.cat((scores, own_scores), dim=-1), dim=-1)
     out = torch.einsum("nhsp,nphd->nshd", weights[..., : keys.shape[1]], context_v)
     return out + torch.einsum("nhsj,nsjhd->nshd", weights[..., keys.shape[1] :], own_v)
+
+
+def widen_mlp(state: dict[str, Tensor], head: Eagle3Model) -> dict[str, Tensor]:
+    """`state` (an --init head's weights) with its MLP widened to `head`'s: the new units' down
+    projections start at zero, so the wider head starts as the narrower one and learns from there."""
+    prefix = "midlayer.mlp."
+    width = head.config.intermediate_size
+    old = state[prefix + "gate_proj.weight"].shape[0]
+    if old == width:
+        return state
+    if old > width:
+        raise SystemExit(
+            f"--init has an MLP of {old} units: it can be widened to --intermediate-size, not cut to {width}"
+        )
+    fresh = head.state_dict()
+    state = dict(state)
+    for name in ("gate_proj", "up_proj"):
+        key = prefix + name + ".weight"
+        state[key] = torch.cat((state[key], fresh[key][old:].to(state[key])))
+    key = prefix + "down_proj.weight"
+    state[key] = torch.cat((state[key], state[key].new_zeros(state[key].shape[0], width - old)), dim=1)
+    return state
 
 
 def ttt_loss(
@@ -119,6 +145,7 @@ def ttt_loss(
     that plus w times the cross-entropy of the target's most likely token alone (all that greedy
     verification keeps; a sampled request's rejection rule wants the whole distribution)."""
     batch, length = tokens.shape
+    device = tokens.device
     with torch.no_grad():
         logits, taps = target.train_layers(tokens, head.taps)
         assert logits is not None
@@ -127,13 +154,14 @@ def ttt_loss(
         embeds = target.embed_tokens(tokens).float()
     features = head.features(torch.cat([taps[i] for i in head.taps], dim=-1).float())
     entries = length - 1  # position p reads token p + 1
-    _, keys, values = head.qkv(embeds[:, 1:], features[:, :entries], torch.arange(entries))
+    _, keys, values = head.qkv(embeds[:, 1:], features[:, :entries], torch.arange(entries, device=device))
     span = length - unroll - first_chain
     starts = torch.stack([torch.randperm(span, generator=rng)[:chains] + first_chain for _ in range(batch)])
-    rows = torch.arange(batch)[:, None]
+    starts = starts.to(device)
+    rows = torch.arange(batch, device=device)[:, None]
     feature = features[rows, starts]  # [N, S, H]
     own: list[tuple[Tensor, Tensor]] = []
-    total, steps = torch.zeros(()), []
+    total, steps = torch.zeros((), device=device), []
     for j in range(unroll):
         q, k, v = head.qkv(embeds[rows, starts + j + 1], feature, starts + j)
         if j > 0:  # step 0's entry is the target-fed one at the start, already among the keys
@@ -142,13 +170,14 @@ def ttt_loss(
         feature = head.finish(attended, feature)
         log_q = F.log_softmax(head.draft_logits(feature).float(), dim=-1)
         label = log_p[rows, starts + j + 1]
-        loss = (label.exp() * (label - log_q)).sum(-1).mean() if greedy_weight < 1 else torch.zeros(())
+        loss = (label.exp() * (label - log_q)).sum(-1).mean() if greedy_weight < 1 else torch.zeros((), device=device)
         if greedy_weight > 0:
             greedy = -log_q.gather(-1, label.argmax(dim=-1, keepdim=True)).mean()
             loss = (1 - greedy_weight) * loss + greedy_weight * greedy
         total = total + decay**j * loss
-        steps.append(loss.item())
-    return total / sum(decay**j for j in range(unroll)), steps
+        steps.append(loss.detach())
+    # One read back for the whole unroll: on an accelerator each would wait for the device.
+    return total / sum(decay**j for j in range(unroll)), torch.stack(steps).tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,12 +207,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts served at the end (0: none)")
     parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the target and the head train (cpu, cuda, npu)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="train for this many seconds, the schedule running on the clock, instead of --steps",
+    )
+    parser.add_argument("--intermediate-size", type=int, default=0, help="the head's MLP width (default: the target's)")
+    parser.add_argument("--regenerate-chunk", type=int, default=64, help="sequences regenerated at a time")
+    parser.add_argument("--exclude", nargs="*", default=[], help="folder names left out of --data (vendored copies)")
     args = parser.parse_args(argv)
     if not 0 <= args.greedy_weight <= 1:
         parser.error(f"--greedy-weight must be between 0 and 1, not {args.greedy_weight}")
 
     torch.manual_seed(args.seed)
-    target, data, held_files = training_data(args)
+    target, data, held_files = training_data(args, args.device, tuple(args.exclude))
     model = target.model
     config = head_config(model, args)
     assert config.target_layer_ids is not None
@@ -196,7 +235,15 @@ def main(argv: list[str] | None = None) -> None:
             )
         new_tokens = args.seq_len - args.prompt_len
         sequences = greedy_continuations(
-            args.target, data, args.regenerate, args.prompt_len, new_tokens, work / "greedy.pt", args.seed
+            args.target,
+            data,
+            args.regenerate,
+            args.prompt_len,
+            new_tokens,
+            work / "greedy.pt",
+            args.seed,
+            args.device,
+            args.regenerate_chunk,
         )
     head = Eagle3Model(config, config.target_layer_ids)
     if config.draft_vocab_size < config.vocab_size:
@@ -208,26 +255,39 @@ def main(argv: list[str] | None = None) -> None:
         if start["lm_head.weight"].shape[0] == config.vocab_size > config.draft_vocab_size:
             start["lm_head.weight"] = start["lm_head.weight"][head.draft_to_target()]  # its rows for our ids
             start.update(d2t=head.d2t, t2d=head.t2d)
-        head.load_state_dict(start)
+        head.load_state_dict(widen_mlp(start, head))
+    head.to(args.device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
     step, losses, per_step = 0, [], []
+    trained_before = 0.0  # seconds, for --time-budget
     if resume.exists():
-        state = torch.load(resume, weights_only=False)
+        state = torch.load(resume, map_location=args.device, weights_only=False)
         head.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, losses, per_step = state["step"], state["losses"], state["per_step"]
+        trained_before = state.get("seconds", 0.0)
         print(f"resuming at step {step}", file=sys.stderr)
     rng = random.Random(args.seed * 1000 + step)
     generator = torch.Generator().manual_seed(args.seed * 1000 + step)
     started = time.time()
     head.train()
-    while step < args.steps:
-        tokens = training_batch(args, data, sequences if args.regenerate else None, rng)
+
+    def schedule() -> tuple[float, float]:
+        """Where training stands and where it ends: steps, or seconds with --time-budget."""
+        if args.time_budget:
+            return trained_before + time.time() - started, args.time_budget
+        return step, args.steps
+
+    first_step = step
+    now, end = schedule()
+    finished = now >= end
+    while not finished:
+        tokens = training_batch(args, data, sequences if args.regenerate else None, rng).to(args.device)
         # With --regenerate, chains start at the last prompt token or after: the target's own greedy text.
         first_chain = args.prompt_len - 1 if args.regenerate else 0
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = lr_at(*schedule(), args.lr)
         loss, step_losses = ttt_loss(
             head, model, tokens, args.chains, args.unroll, args.decay, generator, first_chain, args.greedy_weight
         )
@@ -238,17 +298,20 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         losses.append(loss.item())
         per_step.append(step_losses)
-        if step % 10 == 0 or step == args.steps:
-            rate = (time.time() - started) / max(1, len(losses))
+        now, end = schedule()
+        finished = now >= end
+        if step % 10 == 0 or finished:
+            rate = (time.time() - started) / (step - first_step)
             recent = sum(losses[-10:]) / len(losses[-10:])
             first, last = (sum(s[j] for s in per_step[-10:]) / len(per_step[-10:]) for j in (0, -1))
+            total = "" if args.time_budget else f"/{args.steps}"
             print(
-                f"step {step}/{args.steps} loss {recent:.3f} (step 0 {first:.3f}, step {args.unroll - 1} {last:.3f};"
+                f"step {step}{total} loss {recent:.3f} (step 0 {first:.3f}, step {args.unroll - 1} {last:.3f};"
                 f" {rate:.2f} s a step)",
                 file=sys.stderr,
                 flush=True,
             )
-        if step % 100 == 0 or step == args.steps:
+        if step % 100 == 0 or finished:
             torch.save(
                 {
                     "model": head.state_dict(),
@@ -256,15 +319,19 @@ def main(argv: list[str] | None = None) -> None:
                     "step": step,
                     "losses": losses,
                     "per_step": per_step,
+                    "seconds": trained_before + time.time() - started,
                 },
                 resume,
             )
-    head.eval().requires_grad_(False)
+    head.cpu().eval().requires_grad_(False)
     save_eagle3(head, args.out, torch.bfloat16)  # as published heads are: the compiled head streams bfloat16 anyway
     recent = per_step[-20:]
     report: dict = {
         "target": str(args.target),
-        "steps": args.steps,
+        "steps": step,
+        "time_budget": args.time_budget or None,
+        "device": args.device,
+        "intermediate_size": config.intermediate_size,
         "unroll": args.unroll,
         "decay": args.decay,
         "greedy_weight": args.greedy_weight,
