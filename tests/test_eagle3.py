@@ -596,11 +596,19 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
         load_config(config, check_models=True)
 
 
-def test_the_training_script_names_a_greedy_weight_out_of_range(tmp_path):
+@pytest.mark.parametrize(
+    "option, named",
+    [
+        (["--greedy-weight", "1.5"], "--greedy-weight must be between 0 and 1, not 1.5"),
+        (["--time-budget", "-5"], "--time-budget must be 0 (train --steps) or a number of seconds, not -5.0"),
+        (["--intermediate-size", "-1"], "--intermediate-size must be positive (0: the target's), not -1"),
+    ],
+)
+def test_the_training_script_names_an_option_out_of_range(tmp_path, option, named):
     out = tmp_path / "head"
-    command = [sys.executable, "tools/train_eagle3.py", "models/target", str(out), "--greedy-weight", "1.5"]
+    command = [sys.executable, "tools/train_eagle3.py", "models/target", str(out), *option]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--greedy-weight must be between 0 and 1, not 1.5" in done.stderr
+    assert done.returncode == 2 and named in done.stderr
     assert not out.exists()
 
 

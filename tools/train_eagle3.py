@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.greedy_weight <= 1:
         parser.error(f"--greedy-weight must be between 0 and 1, not {args.greedy_weight}")
+    if args.time_budget < 0:
+        parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
+    if args.intermediate_size < 0:
+        parser.error(f"--intermediate-size must be positive (0: the target's), not {args.intermediate_size}")
 
     torch.manual_seed(args.seed)
     target, data, held_files = training_data(args, args.device, tuple(args.exclude))
