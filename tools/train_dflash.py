@@ -231,15 +231,14 @@ def greedy_continuations(
         rows = min(chunk, count - len(done))
         starts = [rng.randrange(0, len(data) - prompt_len) for _ in range(rows)]
         prompts = torch.stack([data[s : s + prompt_len] for s in starts])
-        with torch.inference_mode():
-            # Greedy to a fixed length: the whole chunk decodes in step, one argmax per step.
-            cache = model.new_cache(rows, prompt_len + new_tokens)
-            slots = [cache.allocate() for _ in range(rows)]
-            pending, generated = prompts.tolist(), []
-            for _ in range(new_tokens):
-                logits = model(model.batch(cache, slots, pending), cache, last_only=True).logits[:, -1]
-                pending = logits.argmax(dim=-1, keepdim=True).tolist()
-                generated.append(pending)
+        # Greedy to a fixed length: the whole chunk decodes in step, one argmax a step for all of it.
+        cache = model.new_cache(rows, prompt_len + new_tokens)
+        slots = [cache.allocate() for _ in range(rows)]
+        pending, generated = prompts.tolist(), []
+        for _ in range(new_tokens):
+            logits = model(model.batch(cache, slots, pending), cache, last_only=True).logits[:, -1]
+            pending = logits.argmax(dim=-1, keepdim=True).tolist()
+            generated.append(pending)
         done = torch.cat((done, torch.cat((prompts, torch.tensor(generated).squeeze(-1).T), dim=1)))
         torch.save(done, path)
         rate = (len(done) - before) * new_tokens / max(time.time() - started, 1e-9)

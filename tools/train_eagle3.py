@@ -20,9 +20,9 @@ meets when the target serves greedily), and chains start in the continuation. Wi
 the head drafts only the N tokens most frequent in the training data (a smaller LM head, so a
 cheaper step; d2t and t2d map them, as the published heads do), and the target's distribution is
 renormalized over them; --init from a head over the whole vocabulary keeps its rows for them, and
-from a head with a narrower MLP (--intermediate-size) starts as that head. On an accelerator
-(--device cuda), the continuations decode --regenerate-chunk at a time, and --time-budget trains
-for a fixed time with the schedule running on the clock.
+from a head with a narrower MLP (--intermediate-size) starts as that head. --device cuda trains on
+a GPU (there a --regenerate-chunk of thousands decodes the continuations quickly), and
+--time-budget trains for a fixed time with the schedule running on the clock.
 
 Data, resumption and the final report are those of tools/train_dflash.py: the standard library's
 .py files by default (its test files held out), a checkpoint in --work every 100 steps, and at the
