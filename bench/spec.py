@@ -42,7 +42,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 from control.config import ConfigSnapshot, load_config
@@ -51,7 +51,8 @@ from daemon.logs import configure_logging
 from daemon.runtime import Models, load_models
 from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS
 from engine.controller import Controller
-from engine.eagle3 import load_eagle3
+from engine.eagle3 import Eagle3Model, load_eagle3
+from engine.model import Transformer
 from engine.policy import DEFAULT_CANDIDATES, PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -194,8 +195,15 @@ def build_controller(
     settings = mode_snapshot(snapshot, mode)
     head = settings.engine.eagle3
     if head is not None and head != snapshot.engine.eagle3:  # +eagle3=PATH: that head, on the loaded target
-        models = replace(models, eagle3=load_eagle3(head, models.target.model))
+        models = replace(models, eagle3=named_head(head, models.target.model))
     return runtime.build_controller(settings, models, max_batch_size=concurrency, max_seq_len=max_seq_len)
+
+
+@cache
+def named_head(path: Path, target: Transformer) -> Eagle3Model:
+    """The EAGLE-3 head a mode names, loaded once: every run of the mode shares it, as the
+    config's head is shared (daemon.runtime.Models)."""
+    return load_eagle3(path, target)
 
 
 ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization", "eagle3")
