@@ -309,12 +309,13 @@ static void rope(float *x, const float *cos, const float *sin, int dim) {
     memcpy(x, rotated, sizeof(float) * (size_t)dim);
 }
 
-/* p[j] = softmax(scale * p[first..pos])[j], and 0 for every other j up to `last`; on whole
- * vectors from j = 0 (p has room up to a multiple of 16 past `last`), hidden places counting 0. */
-static void softmax(float *p, int first, int pos, int last, float scale) {
+/* p[j] = softmax(scale * p[first..pos])[j], and 0 for every other j from `from` (a multiple of
+ * 16 at or before `first`) up to `last`; on whole vectors (p has room up to a multiple of 16 past
+ * `last`), hidden places counting 0. */
+static void softmax(float *p, int from, int first, int pos, int last, float scale) {
     const int end = pos / 16 * 16 + 16;
     vf top = (vf){0} - INFINITY;
-    for (int j = 0; j < end; j += 16) {
+    for (int j = from; j < end; j += 16) {
         vf v = *(vf_unaligned *)(p + j) * scale;
         const vi at = (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j;
         v = pick((at >= first) & (at <= pos), v, top);
@@ -323,7 +324,7 @@ static void softmax(float *p, int first, int pos, int last, float scale) {
     float most = top[0];
     for (int i = 1; i < 16; i++) most = top[i] > most ? top[i] : most;
     vf total = (vf){0};
-    for (int j = 0; j < end; j += 16) {
+    for (int j = from; j < end; j += 16) {
         const vi at = (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j;
         vf e = vexp(*(vf_unaligned *)(p + j) * scale - most);
         e = pick((at >= first) & (at <= pos), e, (vf){0});
@@ -331,7 +332,7 @@ static void softmax(float *p, int first, int pos, int last, float scale) {
         total += e;
     }
     const float inverse = 1.0f / hsum(total);
-    for (int j = 0; j < end; j += 16) *(vf_unaligned *)(p + j) *= inverse;
+    for (int j = from; j < end; j += 16) *(vf_unaligned *)(p + j) *= inverse;
     for (int j = end; j <= last; j++) p[j] = 0.0f;
 }
 
@@ -354,28 +355,35 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
     for (int q0 = 0; q0 < queries; q0 += TILE_ROWS) {
         const int rows = queries - q0 < TILE_ROWS ? queries - q0 : TILE_ROWS;
         float *score_rows[TILE_ROWS], *out_rows[TILE_ROWS];
-        int last = 0; /* the last position any query of the tile sees */
+        int last = 0, earliest = length; /* the last position any query of the tile sees, and the first */
         for (int r = 0; r < rows; r++) {
             const int t = (q0 + r) / group, head = kv * group + (q0 + r) % group;
             memcpy(s->queries + r * dim, qkv + t * qkv_size + head * dim, sizeof(float) * (size_t)dim);
             out_rows[r] = out + t * out_stride + head * dim;
             const int sees = block ? length - 1 : start + t;
             if (sees > last) last = sees;
+            const int first = m->sliding_window > 0 && sees - m->sliding_window + 1 > 0 ? sees - m->sliding_window + 1 : 0;
+            if (first < earliest) earliest = first;
         }
-        for (int b = 0; b <= last / PANEL; b++) {
+        /* Keys before the window of every query of the tile are skipped whole panels at a time: a
+         * probability of exactly 0 adds nothing to a sum that starts at 0, so each result is the
+         * same bits whichever queries share the tile. */
+        const int from = earliest / PANEL * PANEL;
+        for (int b = from / PANEL; b <= last / PANEL; b++) {
             for (int r = 0; r < rows; r++) score_rows[r] = s->probs + r * ldp + b * PANEL;
             tile_rows(rows, F32, dim, s->queries, dim, keys + b * PANEL, positions, NULL, NULL, PANEL, score_rows, 0);
         }
         for (int r = 0; r < rows; r++) {
             const int pos = block ? length - 1 : start + (q0 + r) / group;
             const int first = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
-            softmax(s->probs + r * ldp, first, pos, last, scale);
+            softmax(s->probs + r * ldp, from, first, pos, last, scale);
         }
         for (int d = 0; d < dim; d += PANEL) {
             float *rows_at[TILE_ROWS];
             for (int r = 0; r < rows; r++) rows_at[r] = out_rows[r] + d;
             const int columns = dim - d < PANEL ? dim - d : PANEL; /* reads past them land in the padding */
-            tile_rows(rows, F32, last + 1, s->probs, ldp, values + d, value_stride, NULL, NULL, columns, rows_at, 0);
+            tile_rows(rows, F32, last + 1 - from, s->probs + from, ldp, values + (int64_t)from * value_stride + d,
+                      value_stride, NULL, NULL, columns, rows_at, 0);
         }
     }
 }

@@ -227,3 +227,25 @@ def test_a_prefill_finishes_only_the_rows_it_returns_with_the_logits_and_cache_o
     assert torch.equal(short.k, full.k) and torch.equal(short.v, full.v)
     step = [[5], [6, 7], [8]]
     assert torch.equal(forward(model, short, slots, step).logits, forward(model, full, slots, step).logits)
+
+
+@torch.inference_mode()
+def test_a_sliding_window_past_whole_key_panels_gives_the_operators_logits_and_a_verify_its_steps(tmp_path):
+    """Keys before every query's window are skipped whole panels at a time: past 64 + window
+    positions the logits still match PyTorch operators' masked attention, and a verify still
+    gives each token's decode logits bit for bit."""
+    path = save_tiny(tiny_hf_model("mistral", vocab_size=64, sliding_window=20), tmp_path / "mistral")
+    compiled, plain = (load_checkpoint(path, native_forward=native).model for native in (True, False))
+    assert compiled.native is not None and plain.native is None
+    prompt, drafts = [(7 * i) % 61 + 1 for i in range(150)], [3, 9, 27, 17, 51]
+    logits = []
+    for model in (compiled, plain):
+        cache = model.new_cache(1, 256)
+        slot = cache.allocate()
+        forward(model, cache, [slot], [prompt], last_only=True)
+        logits.append(forward(model, cache, [slot], [drafts]).logits[0])
+        if model is compiled:
+            cache.truncate(slot, len(prompt))
+            steps = torch.stack([forward(model, cache, [slot], [[token]]).logits[0, 0] for token in drafts])
+            assert torch.equal(logits[0], steps)
+    assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
