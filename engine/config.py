@@ -341,6 +341,9 @@ class Eagle3Config:
     target: str = ""  # the name of the target it was trained for
     # The layer's residual stream starts from the normed feature rather than the feature itself.
     norm_before_residual: bool = False
+    # A position attends to at most this many (itself included): the context a head was trained
+    # on, past which its attention has never been fitted. None: every position before it.
+    sliding_window: int | None = None
 
     def to_json(self) -> dict:
         raw: dict[str, Any] = {
@@ -372,6 +375,8 @@ class Eagle3Config:
             }
         if self.norm_before_residual:
             raw["norm_before_residual"] = True
+        if self.sliding_window is not None:
+            raw["sliding_window"] = self.sliding_window
         return raw
 
     @classmethod
@@ -385,6 +390,7 @@ class Eagle3Config:
         layers = raw.get("num_hidden_layers", 1)
         if layers != 1:
             raise CheckpointError(f"{source}: an EAGLE-3 head has one decoder layer, this config has {layers}")
+        window = _head_window(raw.get("sliding_window"), source)
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             eagle = raw.get("eagle_config") or {}
@@ -404,6 +410,7 @@ class Eagle3Config:
                 rope=_rope_from_hf(raw, source),
                 target=str(raw.get("target", "")),
                 norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                sliding_window=window,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{source}: not an EAGLE-3 config ({type(err).__name__}: {err})") from None
@@ -439,6 +446,18 @@ class Eagle3Config:
             "target": verifier.get("name_or_path", "") if isinstance(verifier, dict) else "",
         }
         return cls.from_json(merged, source)
+
+
+def _head_window(window: object, source: str) -> int | None:
+    """A head's sliding_window: a whole number of positions >= 1, or null (0 reads as null, as
+    transformers' configs write it)."""
+    if window is None or window == 0:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise CheckpointError(
+            f"{source}: sliding_window must be a whole number of positions >= 1 or null, got {window!r}"
+        )
+    return window
 
 
 def eagle3_taps(config: Eagle3Config, target: ModelConfig) -> tuple[int, ...]:

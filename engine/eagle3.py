@@ -39,7 +39,7 @@ from engine.config import Eagle3Config, check_weights, eagle3_taps, inspect_eagl
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side
+from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side, visible_keys
 from engine.native import NativeEagle3
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
@@ -215,6 +215,8 @@ class Eagle3Drafter:
         self.chain_graphs: dict[int, CallGraphs] = {}
         # Where the head runs on the compiled kernels, a greedy round's extend and chains are one call.
         self.rounds_in_one_call = self.native is not None and self.next_feature.dtype == torch.float32
+        # A windowed head makes no entries its window will never reach (`take_held`).
+        self.skip_before_window = True
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
@@ -239,15 +241,22 @@ class Eagle3Drafter:
         """The draft-extend that makes the held hidden states of `seqs` entries at their next
         positions (their cache lengths move past them), or None where none is held."""
         slots, positions, tokens, pieces, selected = [], [], [], [], []
+        window = self.skip_before_window and self.model.config.sliding_window
         for seq in seqs:
             held = self.waiting.pop(seq.draft_slot, None)
             if not held:
                 continue
             start, count = self.cache.lengths[seq.draft_slot], sum(n for _, _, n in held)
-            slots += [seq.draft_slot] * count
-            positions += range(start, start + count)
-            tokens += seq.tokens[start + 1 : start + count + 1]  # position p reads token p + 1
-            pieces += [taps[row, :n] for taps, row, n in held]
+            # Entries before the window of the last held position are never seen by it or any
+            # later one (a long prompt's start, for a windowed head): they are not made.
+            skip = max(0, count - window) if window else 0
+            slots += [seq.draft_slot] * (count - skip)
+            positions += range(start + skip, start + count)
+            tokens += seq.tokens[start + skip + 1 : start + count + 1]  # position p reads token p + 1
+            for taps, row, n in held:
+                if n > skip:
+                    pieces.append(taps[row, skip:n])
+                skip = max(0, skip - n)
             selected.append(len(slots) - 1)
             self.cache.lengths[seq.draft_slot] = start + count
         if not slots:
@@ -329,7 +338,7 @@ class Eagle3Drafter:
         cache.v[0, slots, positions] = v
         keys, values = cache.k[0, slots].transpose(1, 2), cache.v[0, slots].transpose(1, 2)
         key_positions = torch.arange(cache.max_seq_len + 1, device=inputs.device)
-        mask = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
+        mask = visible_keys(positions[:, None], key_positions[None, :], model.config.sliding_window)[:, None, None, :]
         attended = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
         out = model.finish(attended[:, :, 0], features)
         return out, model.draft_logits(out)
@@ -364,7 +373,8 @@ class Eagle3Drafter:
             width = int(ends.max()) + 1
             keys = self.cache.k[0, rows, :width].transpose(1, 2)
             values = self.cache.v[0, rows, :width].transpose(1, 2)
-            mask = (torch.arange(width, device=device)[None, :] <= ends[:, None])[:, None, None, :]
+            key_positions = torch.arange(width, device=device)[None, :]
+            mask = visible_keys(ends[:, None], key_positions, model.config.sliding_window)[:, None, None, :]
             attended = F.scaled_dot_product_attention(
                 q[selected][:, :, None], keys, values, attn_mask=mask, enable_gqa=True
             )

@@ -679,7 +679,7 @@ class NativeEagle3:
             config.head_dim,
             config.intermediate_size,
             config.draft_vocab_size,
-            0,
+            config.sliding_window or 0,
             config.rms_norm_eps,
             target.model.embed,
             target.model.embed_bf16,

@@ -31,6 +31,7 @@ def head_for(
     seed: int = 0,
     taps: tuple[int, ...] | None = None,
     norm_before_residual: bool = False,
+    window: int | None = None,
 ) -> Eagle3Model:
     """An untrained head shaped for `target` (its drafts mostly wrong: every kind of rejection
     happens), with a reduced draft vocabulary of `draft_vocab` ids if given."""
@@ -47,6 +48,7 @@ def head_for(
         target_layer_ids=taps,
         rms_norm_eps=tc.rms_norm_eps,
         norm_before_residual=norm_before_residual,
+        sliding_window=window,
     )
     torch.manual_seed(seed)
     model = Eagle3Model(config, eagle3_taps(config, tc))
@@ -83,6 +85,13 @@ def trained_head(pair) -> Eagle3Model:
     return head.eval().requires_grad_(False)
 
 
+def windowed(head: Eagle3Model, window: int | None) -> Eagle3Model:
+    """The same head attending to at most `window` positions."""
+    twin = Eagle3Model(replace(head.config, sliding_window=window), head.taps)
+    twin.load_state_dict(head.state_dict())
+    return twin.eval().requires_grad_(False)
+
+
 def engine_for(target, batch: int, ks=(0, 1, 2, 3, 5), initial: int | None = None, **head) -> Engine:
     drafter = Eagle3Drafter(head_for(target.model, **head), target.model, batch, MAX_SEQ_LEN)
     return Engine(target, drafter, batch, MAX_SEQ_LEN, ks, initial_k=initial)
@@ -110,12 +119,16 @@ def test_greedy_equals_target_only_for_every_k(pair, batch):
             assert engine.state.stats.drafts_proposed > 0
 
 
-@pytest.mark.parametrize("trained, quantize", [(False, False), (True, False), (True, True)])
-def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_head, trained, quantize):
+@pytest.mark.parametrize(
+    "trained, quantize, window", [(False, False, None), (True, False, None), (True, True, None), (True, False, 6)]
+)
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_head, trained, quantize, window):
     target, _ = pair
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     expected = [c.tokens for c in generate(target, PROMPTS, params)]
     head = trained_head if trained else head_for(target.model)
+    if window:  # shorter than the longer prompts and than every request: the window moves along
+        head = windowed(head, window)
     drafter = Eagle3Drafter(head, target.model, 4, MAX_SEQ_LEN, quantize=quantize)
     assert drafter.native is not None and drafter.native.weights.linears == (torch.int8 if quantize else torch.bfloat16)
     engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
@@ -267,26 +280,33 @@ def test_the_cache_follows_the_target_and_rolls_back_exactly(pair, trained_head)
     assert torch.allclose(drafter.next_logits[seq.draft_slot], fresh.next_logits[twin.draft_slot], atol=1e-4)
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path, norm_before_residual):
+@pytest.mark.parametrize("norm_before_residual, window", [(False, None), (True, None), (False, 3)])
+def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path, norm_before_residual, window):
     """On a CPU the head runs on the compiled kernels beside a compiled target: the draft-extend
     of rows of different lengths in one call, then chain steps, give the logits and entries of
     the PyTorch operators (a reduced draft vocabulary included; the residual from the feature or
-    from its norm)."""
+    from its norm; attention within a sliding window shorter than the prompts)."""
     from tests.conftest import tiny_pair
 
     target, _ = pair
     if target.model.native is None:
         pytest.skip("no compiled kernels here")
     plain, _ = tiny_pair(tmp_path, native_forward=False)  # the same weights (seeded), on PyTorch operators
-    head = head_for(target.model, draft_vocab=24, taps=(0, 1, 1), norm_before_residual=norm_before_residual)
+    head = head_for(
+        target.model, draft_vocab=24, taps=(0, 1, 1), norm_before_residual=norm_before_residual, window=window
+    )
     with torch.no_grad():  # weights bfloat16 can hold, as the compiled head streams them
         for param in head.parameters():
             param.copy_(param.to(torch.bfloat16))
     prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1]]
+    assert window is None or max(map(len, prompts)) > window  # the long prompt's start is never seen
     results = []
-    for served in (target, plain):
+    heads = [(target, head, True), (plain, head, True)]
+    if window:  # the head unwindowed, and windowed but making every entry, on the kernels
+        heads += [(plain, windowed(head, None), True), (target, head, False)]
+    for served, head, skip in heads:
         drafter = Eagle3Drafter(head, served.model, 2, MAX_SEQ_LEN)
+        drafter.skip_before_window = skip
         cache = served.model.new_cache(2, MAX_SEQ_LEN)
         slots = [cache.allocate() for _ in prompts]
         batch = served.model.batch(cache, slots, [p[:-1] for p in prompts])
@@ -299,8 +319,13 @@ def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path, no
             chain.append(drafter.draft([s.draft_slot for s in seqs], tokens, step).clone())
         values = [drafter.cache.v[0, s.draft_slot, : len(p) + 1] for s, p in zip(seqs, prompts)]
         results.append((drafter, chain, values))
-    (compiled, chain, values), (reference, expected, expected_values) = results
+    (compiled, chain, values), (reference, expected, expected_values) = results[:2]
     assert compiled.native is not None and reference.native is None
+    if window:  # the window changes what the head computes, and no entry it skipped was ever read
+        unwindowed, every_entry = results[2][1], results[3][1]
+        assert not any(torch.allclose(a, b, atol=1e-3) for a, b in zip(unwindowed, expected))
+        assert all(torch.equal(a, b) for a, b in zip(every_entry, chain))
+        assert results[3][0].cache.lengths == compiled.cache.lengths
     # The weights are bfloat16 values, so streaming them in bfloat16 loses nothing: equal up to
     # the order of float32 sums.
     for got, want in zip(chain, expected):
@@ -531,6 +556,9 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name])
     raw = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert "sliding_window" not in raw  # attends to every position before it
+    save_eagle3(windowed(model, 256), tmp_path / "windowed")
+    assert load_eagle3(tmp_path / "windowed", target.model).config.sliding_window == 256
 
     def broken(name: str, edit, weights=None) -> str:
         bad = tmp_path / name
@@ -556,6 +584,10 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
         "dflash", lambda c: c.update(architectures=["DFlashDraftModel"])
     )
     assert "not an EAGLE-3 config" in broken("plain", lambda c: c.pop("hidden_size"))
+    for window in (-4, 2.5, "256", True):
+        assert f"sliding_window must be a whole number of positions >= 1 or null, got {window!r}" in broken(
+            "window", lambda c, window=window: c.update(sliding_window=window)
+        )
     assert "missing ['fc.weight']" in broken("fc", lambda c: None, lambda s: s.pop("fc.weight"))
     assert "q_proj.weight has shape" in broken(
         "shape", lambda c: None, lambda s: s.update({"midlayer.self_attn.q_proj.weight": torch.zeros(3, 3)})
@@ -631,6 +663,7 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert len(report["last_loss_per_step"]) == 3
     head = load_eagle3(out, target.model)
     assert head.taps == tuple(report["taps"])
+    assert head.config.sliding_window == 40  # no further back at inference than its training sequences
     resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
 

@@ -78,6 +78,8 @@ def head_config(target: Transformer, args: argparse.Namespace) -> Eagle3Config:
         rms_norm_eps=tc.rms_norm_eps,
         rope=RopeConfig(theta=tc.rope.theta),
         target=args.target.name,
+        # It attends at inference as far back as training showed it, never further.
+        sliding_window=args.seq_len,
     )
     taps = tuple(args.taps) if args.taps else eagle3_taps(config, tc)
     return Eagle3Config(**{**config.__dict__, "target_layer_ids": taps})
