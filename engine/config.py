@@ -211,6 +211,9 @@ class DFlashConfig:
     # k + 1 (the block's forward is most of a round's drafting, and a shorter one costs less).
     # One trained on whole blocks only drafts worse from a shorter one.
     short_blocks: bool = False
+    # A block's last position attends to at most this many (itself included): the context it was
+    # trained on, past which its attention has never been fitted. None: the whole context.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if not self.draft_vocab_size:
@@ -219,6 +222,8 @@ class DFlashConfig:
     def to_json(self) -> dict:
         dflash_keys = ("target_layer_ids", "mask_token_id", "short_blocks")
         shape = {k: v for k, v in asdict(self).items() if k not in (*dflash_keys, "num_layers")}
+        if self.sliding_window is None:
+            del shape["sliding_window"]
         return {
             "architectures": ["DFlashDraftModel"],
             **shape,
@@ -234,6 +239,7 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, raw: dict, source: str = "config.json") -> DFlashConfig:
+        window = _drafter_window(raw.get("sliding_window"), source)
         try:
             dflash = raw["dflash_config"]
             return cls(
@@ -252,6 +258,7 @@ class DFlashConfig:
                 target=str(raw.get("target", "")),
                 draft_vocab_size=int(raw.get("draft_vocab_size") or 0),
                 short_blocks=dflash.get("short_blocks") is True,
+                sliding_window=window,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None
@@ -390,7 +397,7 @@ class Eagle3Config:
         layers = raw.get("num_hidden_layers", 1)
         if layers != 1:
             raise CheckpointError(f"{source}: an EAGLE-3 head has one decoder layer, this config has {layers}")
-        window = _head_window(raw.get("sliding_window"), source)
+        window = _drafter_window(raw.get("sliding_window"), source)
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             eagle = raw.get("eagle_config") or {}
@@ -448,8 +455,8 @@ class Eagle3Config:
         return cls.from_json(merged, source)
 
 
-def _head_window(window: object, source: str) -> int | None:
-    """A head's sliding_window: a whole number of positions >= 1, or null (0 reads as null, as
+def _drafter_window(window: object, source: str) -> int | None:
+    """A drafter's sliding_window: a whole number of positions >= 1, or null (0 reads as null, as
     transformers' configs write it)."""
     if window is None or window == 0:
         return None

@@ -152,12 +152,17 @@ class DFlashModel(DraftVocabulary, nn.Module):
         return target.lm_head.weight.index_select(0, self.draft_to_target())
 
 
-def block_mask(context_len: Tensor, width: int, size: int) -> Tensor:
+def block_mask(context_len: Tensor, width: int, size: int, window: int | None = None) -> Tensor:
     """At inference: each of a block's `size` positions sees its sequence's first context_len[b]
-    context keys (of `width`) and the whole block. [B, 1, size, width + size]."""
-    batch = context_len.shape[0]
-    visible = torch.arange(width, device=context_len.device)[None, :] < context_len[:, None]
-    whole = torch.ones(batch, size, dtype=torch.bool, device=context_len.device)
+    context keys (of `width`) and the whole block; with a sliding `window`, only the keys within
+    it of the block's last position. [B, 1, size, width + size]."""
+    batch, device = context_len.shape[0], context_len.device
+    visible = torch.arange(width, device=device)[None, :] < context_len[:, None]
+    whole = torch.ones(batch, size, dtype=torch.bool, device=device)
+    if window is not None:
+        last = context_len[:, None] + size - 1
+        visible &= torch.arange(width, device=device)[None, :] > last - window
+        whole &= (context_len[:, None] + torch.arange(size, device=device)[None, :]) > last - window
     return torch.cat((visible, whole), dim=1)[:, None, None, :].expand(batch, 1, size, width + size)
 
 
@@ -328,7 +333,7 @@ class DFlashDrafter:
         index = torch.tensor(slots, device=device)
         context_k = [self.cache.k[layer, index, :width] for layer in range(self.config.num_layers)]
         context_v = [self.cache.v[layer, index, :width] for layer in range(self.config.num_layers)]
-        mask = block_mask(lengths, width, size)
+        mask = block_mask(lengths, width, size, self.config.sliding_window)
         return self.model(block, positions, context_k, context_v, mask, self.target, drafts, self.head_rows)
 
     def capture_graphs(self, backend: Backend, batch_sizes: Seq[int]) -> CallGraphs:
@@ -378,7 +383,7 @@ class DFlashDrafter:
         width = cache.max_seq_len + 1
         context_k = [cache.k[layer, slots] for layer in range(self.config.num_layers)]
         context_v = [cache.v[layer, slots] for layer in range(self.config.num_layers)]
-        mask = block_mask(lengths, width, size)
+        mask = block_mask(lengths, width, size, self.config.sliding_window)
         return (self.model(block, positions, context_k, context_v, mask, self.target, size - 1, self.head_rows),)
 
     def release(self, seq: Sequence) -> None:

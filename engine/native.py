@@ -591,7 +591,7 @@ class NativeDFlash:
         lm_head = weights.linear(model.head(target_model)) if reduced else target.model.lm_head
         self.model = _model(
             replace(config, vocab_size=config.draft_vocab_size),
-            0,
+            config.sliding_window or 0,
             target.model.embed,
             target.model.embed_bf16,
             weights.keep(model.norm.weight),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,7 +33,12 @@ BLOCK = 6
 
 
 def dflash_for(
-    target, block_size: int = BLOCK, seed: int = 0, draft_vocab: int = 0, short_blocks: bool = False
+    target,
+    block_size: int = BLOCK,
+    seed: int = 0,
+    draft_vocab: int = 0,
+    short_blocks: bool = False,
+    window: int | None = None,
 ) -> DFlashModel:
     """An untrained drafter shaped for `target`: its drafts are mostly wrong, which is what the
     losslessness tests need (every kind of rejection happens). With `draft_vocab`, it drafts
@@ -51,6 +57,7 @@ def dflash_for(
         mask_token_id=tc.vocab_size - 1,
         draft_vocab_size=draft_vocab,
         short_blocks=short_blocks,
+        sliding_window=window,
     )
     torch.manual_seed(seed)
     model = DFlashModel(config).eval().requires_grad_(False)
@@ -60,8 +67,16 @@ def dflash_for(
     return model
 
 
-def engine_for(target, batch: int, ks=(0, 1, 2, 3, 5), initial: int | None = None, quantize: bool = False) -> Engine:
-    drafter = DFlashDrafter(dflash_for(target.model), target.model, batch, MAX_SEQ_LEN, quantize=quantize)
+def engine_for(
+    target,
+    batch: int,
+    ks=(0, 1, 2, 3, 5),
+    initial: int | None = None,
+    quantize: bool = False,
+    window: int | None = None,
+) -> Engine:
+    model = dflash_for(target.model, window=window)
+    drafter = DFlashDrafter(model, target.model, batch, MAX_SEQ_LEN, quantize=quantize)
     assert drafter.native is not None and (drafter.native.weights.linears == torch.int8) == quantize
     return Engine(target, drafter, batch, MAX_SEQ_LEN, ks, initial_k=initial)
 
@@ -101,12 +116,14 @@ def serve_switching(engine: Engine, params: SamplingParams, seed: int) -> list[l
     return [outputs[r.id] for r in requests]
 
 
-@pytest.mark.parametrize("quantize", [False, True], ids=["as loaded", "int8"])
-def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, quantize):
+@pytest.mark.parametrize(
+    "quantize, window", [(False, None), (True, None), (False, 9)], ids=["as loaded", "int8", "window"]
+)
+def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, quantize, window):
     target, _ = pair
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     expected = [c.tokens for c in generate(target, PROMPTS, params)]
-    assert serve_switching(engine_for(target, 4, quantize=quantize), params, seed=0) == expected
+    assert serve_switching(engine_for(target, 4, quantize=quantize, window=window), params, seed=0) == expected
 
 
 def test_a_drafter_with_its_own_vocabulary_drafts_only_its_ids_and_stays_lossless(pair):
@@ -295,21 +312,27 @@ def test_the_context_cache_follows_the_target_and_rolls_back_exactly(pair):
     )
 
 
-@pytest.mark.parametrize("draft_vocab", [0, 40])
-def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path, draft_vocab):
+@pytest.mark.parametrize("draft_vocab, window", [(0, None), (40, None), (0, 7)])
+def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path, draft_vocab, window):
     """On a CPU the drafter runs on the compiled kernels beside a compiled target: its context and
-    its block logits equal those of the PyTorch operators, rows of different lengths in one batch."""
+    its block logits equal those of the PyTorch operators, rows of different lengths in one batch
+    (and within a sliding window shorter than the longer row's context and block)."""
     from tests.conftest import tiny_pair
 
     target, _ = pair
     if target.model.native is None:
         pytest.skip("no compiled kernels here")
     plain, _ = tiny_pair(tmp_path, native_forward=False)  # the same weights (seeded), on PyTorch operators
-    model = dflash_for(target.model, draft_vocab=draft_vocab)
+    model = dflash_for(target.model, draft_vocab=draft_vocab, window=window)
     prompts = [PROMPTS[0], PROMPTS[2][:7]]
     drafters = []
-    for served in (target, plain):
-        drafter = DFlashDrafter(model, served.model, 2, MAX_SEQ_LEN)
+    served_models = [(target, model), (plain, model)]
+    if window:  # and the same drafter unwindowed, on PyTorch operators
+        unwindowed = DFlashModel(replace(model.config, sliding_window=None)).eval()
+        unwindowed.load_state_dict(model.state_dict())
+        served_models.append((plain, unwindowed))
+    for served, drafted_by in served_models:
+        drafter = DFlashDrafter(drafted_by, served.model, 2, MAX_SEQ_LEN)
         cache = served.model.new_cache(2, MAX_SEQ_LEN)
         slots = [cache.allocate() for _ in prompts]
         taps = served.model(served.model.batch(cache, slots, prompts), cache, capture=drafter.capture_layers).hidden
@@ -317,7 +340,7 @@ def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path,
         twins = [Sequence(r, slot=i, generator=None, tokens=list(p)) for i, (r, p) in enumerate(zip(seqs, prompts))]
         drafter.admit(twins, taps)
         drafters.append((drafter, twins))
-    (compiled, rows), (reference, rows_ref) = drafters
+    (compiled, rows), (reference, rows_ref) = drafters[:2]
     assert compiled.native is not None and reference.native is None
     lengths = [len(p) - 1 for p in prompts]
     assert [compiled.cache.lengths[t.draft_slot] for t in rows] == lengths
@@ -334,6 +357,11 @@ def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path,
     logits = compiled.block_logits([t.draft_slot for t in rows], short, 2)
     assert torch.allclose(logits, reference.block_logits([t.draft_slot for t in rows_ref], short, 2), atol=1e-4)
     assert not torch.allclose(logits, expected[:, :2], atol=1e-4)  # the block's later positions are seen
+    if window:  # the window changes what the longer row's block computes
+        assert len(prompts[0]) - 1 + BLOCK > window
+        other, other_rows = drafters[2]
+        unseen = other.block_logits([t.draft_slot for t in other_rows], block, BLOCK - 1)
+        assert not torch.allclose(unseen[0], expected[0], atol=1e-3)
 
 
 def test_tapped_hidden_states_are_the_layer_outputs_of_the_full_forward(pair):
@@ -404,6 +432,12 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "mask token id 999" in broken("mask", lambda c: c["dflash_config"].update(mask_token_id=999))
     assert "not a DFlash config" in broken("plain", lambda c: c.pop("dflash_config"))
     assert "draft vocabulary of 100000" in broken("draft vocab", lambda c: c.update(draft_vocab_size=100000))
+    assert "sliding_window must be a whole number of positions >= 1 or null, got -1" in broken(
+        "window", lambda c: c.update(sliding_window=-1)
+    )
+    assert "sliding_window" not in raw
+    save_dflash(dflash_for(target.model, window=256), tmp_path / "windowed")
+    assert load_dflash(tmp_path / "windowed", target.model).config.sliding_window == 256
 
     small = dflash_for(target.model, draft_vocab=30, short_blocks=True)
     save_dflash(small, tmp_path / "small")
@@ -478,7 +512,8 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "training_report.json").read_text())
     assert report["last_loss"] < 0.6 * report["first_loss"]  # KL from the target's distribution
-    assert load_dflash(out, target.model).config.block_size == 4
+    trained = load_dflash(out, target.model).config
+    assert trained.block_size == 4 and trained.sliding_window == 48  # no further back than it trained on
     resumed = subprocess.run(command[:-2] + ["--prompts", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
 
@@ -563,3 +598,28 @@ def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, t
     report = json.loads((out / "training_report.json").read_text())
     assert report["regenerated_sequences"] == 12
     assert report["last_loss"] < 0.6 * report["first_loss"]  # cross-entropy on the target's greedy tokens
+
+
+def test_a_bench_mode_serves_the_dflash_drafter_it_names(pair, tmp_path):
+    """`+dflash=PATH` in a bench mode: that drafter drafts in place of the config's, on the same
+    loaded target, so two drafters are compared side by side; a path with none is named."""
+    from bench import spec
+    from control.config import load_config
+    from daemon.runtime import load_models
+
+    target, _ = pair
+    save_dflash(dflash_for(target.model), tmp_path / "dflash")
+    save_dflash(dflash_for(target.model, seed=1, window=5), tmp_path / "other")
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[engine]\ntarget = "{target.path}"\ndrafter = "dflash"\ndflash = "dflash"\nmax_seq_len = {MAX_SEQ_LEN}\n'
+    )
+    snapshot = load_config(config, check_models=True)
+    models = load_models(snapshot)
+    ours = spec.build_controller("static:2", snapshot, models, 1, MAX_SEQ_LEN)
+    theirs = spec.build_controller(f"static:2+dflash={tmp_path / 'other'}", snapshot, models, 1, MAX_SEQ_LEN)
+    assert ours.engine.drafter.config.sliding_window is None
+    assert theirs.engine.drafter.config.sliding_window == 5
+    assert_serves_losslessly(theirs, target)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        spec.build_controller(f"static:2+dflash={tmp_path / 'nowhere'}", snapshot, models, 1, MAX_SEQ_LEN)

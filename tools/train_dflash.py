@@ -145,6 +145,8 @@ def draft_config(target: Transformer, args: argparse.Namespace) -> DFlashConfig:
         target=args.target.name,
         draft_vocab_size=args.draft_vocab,
         short_blocks=args.short_blocks > 0,
+        # It attends at inference as far back as training showed it, never further.
+        sliding_window=args.seq_len,
     )
 
 
