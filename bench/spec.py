@@ -15,10 +15,11 @@ Modes: `none` (target only), `static:K` (a fixed k), `adaptive:measured`, `adapt
 config's [adaptive] parameters with that strategy, and that strategy's default candidates where the
 config has the default; `+NAME=VALUE` overrides one more parameter or initial_k, as in
 `adaptive:measured+exploration=0.01`); `+drafter=KIND`, `+verification=RULE`,
-`+draft_quantization=int8|none` and `+eagle3=PATH` (another EAGLE-3 head, to compare heads) change
-the engine's settings for that mode. Every mode serves the same requests on the same
-loaded models in this process, side by side: the modes take turns a round at a time, and each
-is timed by its own rounds, so a change in the machine's speed is shared by all of them.
+`+draft_quantization=int8|none`, `+eagle3=PATH` and `+dflash=PATH` (another EAGLE-3 head or DFlash
+drafter, to compare them on the same target) change the engine's settings for that mode. Every mode
+serves the same requests on the same loaded models in this process, side by side: the modes take
+turns a round at a time, and each is timed by its own rounds, so a change in the machine's speed is
+shared by all of them.
 A round's wall time is shared among phases in proportion to the tokens each emitted in it, so
 per-phase seconds add up to the total; the per-phase oracle serves each phase at the rate of that
 phase's fastest static mode.
@@ -51,6 +52,7 @@ from daemon.logs import configure_logging
 from daemon.runtime import Models, load_models
 from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS
 from engine.controller import Controller
+from engine.dflash import DFlashModel, load_dflash
 from engine.eagle3 import Eagle3Model, load_eagle3
 from engine.model import Transformer
 from engine.policy import DEFAULT_CANDIDATES, PolicyParams
@@ -193,20 +195,25 @@ def build_controller(
 ) -> Controller:
     """The engine a mode runs, assembled as the daemon assembles its own, `concurrency` slots wide."""
     settings = mode_snapshot(snapshot, mode)
-    head = settings.engine.eagle3
-    if head is not None and head != snapshot.engine.eagle3:  # +eagle3=PATH: that head, on the loaded target
-        models = replace(models, eagle3=named_head(head, models.target.model))
+    for kind in NAMED_DRAFTERS:  # +eagle3=PATH, +dflash=PATH: that drafter, on the loaded target
+        path = getattr(settings.engine, kind)
+        if path is not None and path != getattr(snapshot.engine, kind):
+            models = replace(models, **{kind: named_drafter(kind, path, models.target.model)})
     return runtime.build_controller(settings, models, max_batch_size=concurrency, max_seq_len=max_seq_len)
 
 
+# The drafters a mode may name by path, and how each loads on the target.
+NAMED_DRAFTERS = {"eagle3": load_eagle3, "dflash": load_dflash}
+
+
 @cache
-def named_head(path: Path, target: Transformer) -> Eagle3Model:
-    """The EAGLE-3 head a mode names, loaded once: every run of the mode shares it, as the
-    config's head is shared (daemon.runtime.Models)."""
-    return load_eagle3(path, target)
+def named_drafter(kind: str, path: Path, target: Transformer) -> Eagle3Model | DFlashModel:
+    """The EAGLE-3 head or DFlash drafter a mode names, loaded once: every run of the mode shares
+    it, as the config's drafters are shared (daemon.runtime.Models)."""
+    return NAMED_DRAFTERS[kind](path, target)
 
 
-ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization", "eagle3")
+ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization", *NAMED_DRAFTERS)
 
 
 def drafters_of(modes: list[str]) -> set[str]:
@@ -225,13 +232,13 @@ def parse_override(text: str) -> tuple[str, object]:
         return name, value
     if name == "draft_quantization" and value in DRAFT_QUANTIZATIONS:
         return name, value
-    if name == "eagle3" and value:
+    if name in NAMED_DRAFTERS and value:
         return name, Path(value)
     if name not in (*PolicyParams.__dataclass_fields__, "initial_k") or not value:
         raise SystemExit(
             f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
             f"verification={'|'.join(CHAIN_RULES)}, drafter={'|'.join(DRAFTERS)} "
-            f"draft_quantization={'|'.join(DRAFT_QUANTIZATIONS)} or eagle3=PATH"
+            f"draft_quantization={'|'.join(DRAFT_QUANTIZATIONS)}, eagle3=PATH or dflash=PATH"
         )
     if name == "candidate_k":
         try:
