@@ -159,14 +159,15 @@ def test_lookups_in_front_of_the_head_stay_lossless_and_spare_its_steps(pair, tr
     assert drafted_rounds > 0 and len(chains) < len(lookups)
 
 
-def test_rounds_at_k_0_cost_the_head_nothing_and_drafting_again_catches_up(pair):
-    """The draft-extend waits until a sequence next drafts: rounds at k = 0 run no head step, and
-    the first round at k > 0 after them makes every held position an entry at once."""
-    target, _ = pair
+def serve_after_rounds_at_k_0(target, head: Eagle3Model, skip: bool) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """Two prompts served six rounds at k = 0, then at k = 3 to the end (output checked against
+    target-only): the tokens of each draft-extend the head ran, the positions each sequence held
+    when drafting began, and the head's next logits after each round that drafted."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    engine = engine_for(target, 2, (0, 3), 0)
-    drafter: Eagle3Drafter = engine.drafter  # type: ignore[assignment]
-    steps: list[int] = []  # tokens of each draft-extend the head ran
+    drafter = Eagle3Drafter(head, target.model, 2, MAX_SEQ_LEN)
+    drafter.skip_before_window = skip
+    engine = Engine(target, drafter, 2, MAX_SEQ_LEN, (0, 3), initial_k=0)
+    steps: list[int] = []
     take_held = drafter.take_held
 
     def counted(seqs: list[Sequence]) -> Extend | None:
@@ -184,13 +185,35 @@ def test_rounds_at_k_0_cost_the_head_nothing_and_drafting_again_catches_up(pair)
         for out in engine.step().outputs:
             outputs[out.request_id].extend(out.new_tokens)
     assert not steps
-    verified = sum(len(seq.tokens) - 1 for seq in engine.running)  # every position the target went through
+    held = [len(seq.tokens) - 1 for seq in engine.running]  # every position the target went through
     engine.select(3)
+    logits = []
     while engine.has_work:
         for out in engine.step().outputs:
             outputs[out.request_id].extend(out.new_tokens)
-    assert steps[0] == verified  # the prompts and six rounds, in one step
+        logits.append(drafter.next_logits.clone())
     assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+    return steps, held, logits
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_rounds_at_k_0_cost_the_head_nothing_and_drafting_again_catches_up(pair, window):
+    """The draft-extend waits until a sequence next drafts: rounds at k = 0 run no head step, and
+    the first round at k > 0 after them makes every held position an entry at once (a windowed
+    head only those its window will reach)."""
+    target, _ = pair
+    steps, held, _ = serve_after_rounds_at_k_0(target, head_for(target.model, window=window), skip=True)
+    assert steps[0] == sum(min(n, window or n) for n in held)  # the prompts and six rounds, in one step
+
+
+def test_a_windowed_head_drafts_what_it_would_from_every_entry(pair, trained_head):
+    """Entries the window will never reach are not made, and nothing the head drafts changes (a
+    window of 8 skips part of the first prompt's held positions and none of the second's)."""
+    target, _ = pair
+    head = windowed(trained_head, 8)
+    skipping, every_entry = (serve_after_rounds_at_k_0(target, head, skip) for skip in (True, False))
+    assert skipping[0][0] < every_entry[0][0]  # fewer entries made
+    assert all(torch.equal(a, b) for a, b in zip(skipping[2], every_entry[2], strict=True))
 
 
 def test_a_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(pair):
