@@ -13,6 +13,7 @@ round from which it takes effect.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from engine.core import Engine, StepResult
 from engine.policy import Observation, Policy, PolicyParams, make_policy
 
 log = structlog.get_logger("adaspec.engine")
+# The same name in the standard library's tree, whose level follows the daemon's (daemon/logs.py).
+levels = logging.getLogger("adaspec.engine")
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,14 @@ class Controller:
     def _set_k(self, k: int, reason: str) -> None:
         if k == self._k:
             return
-        ema = round(self.policy.ema, 4)
         # The policy switches many times a second while it explores: its own switches are debug
-        # events (their counts are in the metrics); an operator's pin, force or reload is info.
-        emit = log.info if reason in OPERATOR_REASONS else log.debug
-        emit("switch", **{"from": self._k, "to": k}, ema=ema, reason=reason, round=self.engine.round)
+        # events (their counts are in the metrics), built only when debug is on (an event dropped
+        # by the level still cost 30 us a switch); an operator's pin, force or reload is info.
+        operator = reason in OPERATOR_REASONS
+        if operator or levels.isEnabledFor(logging.DEBUG):
+            emit = log.info if operator else log.debug
+            ema = round(self.policy.ema, 4)
+            emit("switch", **{"from": self._k, "to": k}, ema=ema, reason=reason, round=self.engine.round)
         previous, self._k = self._k, k
         self.switches += 1
         if self.on_switch is not None:

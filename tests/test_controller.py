@@ -3,6 +3,7 @@ output stays lossless through every switch."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -45,8 +46,13 @@ def test_adaptive_switches_happen_between_rounds_and_output_stays_lossless(pair)
     controller = make(pair)
     requests = [Request(tuple(p), params) for p in PROMPTS]
     ks = []
-    with capture_logs() as logs:
-        outputs = serve(controller, requests, on_step=lambda c: ks.append(c.k))
+    levels = logging.getLogger("adaspec.engine")  # where the daemon's level reaches the engine
+    levels.setLevel(logging.DEBUG)
+    try:
+        with capture_logs() as logs:
+            outputs = serve(controller, requests, on_step=lambda c: ks.append(c.k))
+    finally:
+        levels.setLevel(logging.NOTSET)
     assert [outputs[r.id] for r in requests] == expected
     switches = [e for e in logs if e["event"] == "switch"]
     assert controller.switches == len(switches) > 0
@@ -55,6 +61,16 @@ def test_adaptive_switches_happen_between_rounds_and_output_stays_lossless(pair)
         # The round a switch is logged at runs with the new k; the one before with the old k.
         assert ks[event["round"]] == event["to"] and ks[event["round"] - 1] == event["from"]
         assert event["log_level"] == "debug"  # the policy's own: many a second, not for the journal
+
+    # Above debug the policy's switches are counted, and no event is built for them.
+    levels.setLevel(logging.INFO)
+    try:
+        with capture_logs() as logs:
+            again = make(pair)
+            serve(again, [Request(tuple(p), params) for p in PROMPTS])
+    finally:
+        levels.setLevel(logging.NOTSET)
+    assert again.switches > 0 and not [e for e in logs if e["event"] == "switch"]
 
 
 def test_an_operator_switch_is_logged_at_info(pair):
