@@ -280,6 +280,8 @@ def dflash_problems(config: DFlashConfig, target: ModelConfig) -> list[str]:
         problems.append(f"draft vocabulary of {config.draft_vocab_size} (needs 1..{config.vocab_size})")
     if config.block_size < 2:
         problems.append(f"block size {config.block_size} (needs at least 2)")
+    if config.sliding_window is not None and config.sliding_window < config.block_size:
+        problems.append(f"sliding window {config.sliding_window}, shorter than its block of {config.block_size}")
     return problems
 
 

@@ -435,6 +435,7 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "sliding_window must be a whole number of positions >= 1 or null, got -1" in broken(
         "window", lambda c: c.update(sliding_window=-1)
     )
+    assert "sliding window 5, shorter than its block of 6" in broken("narrow", lambda c: c.update(sliding_window=5))
     assert "sliding_window" not in raw
     save_dflash(dflash_for(target.model, window=256), tmp_path / "windowed")
     assert load_dflash(tmp_path / "windowed", target.model).config.sliding_window == 256
@@ -609,7 +610,7 @@ def test_a_bench_mode_serves_the_dflash_drafter_it_names(pair, tmp_path):
 
     target, _ = pair
     save_dflash(dflash_for(target.model), tmp_path / "dflash")
-    save_dflash(dflash_for(target.model, seed=1, window=5), tmp_path / "other")
+    save_dflash(dflash_for(target.model, seed=1, window=7), tmp_path / "other")
     config = tmp_path / "config.toml"
     config.write_text(
         f'[engine]\ntarget = "{target.path}"\ndrafter = "dflash"\ndflash = "dflash"\nmax_seq_len = {MAX_SEQ_LEN}\n'
@@ -619,7 +620,7 @@ def test_a_bench_mode_serves_the_dflash_drafter_it_names(pair, tmp_path):
     ours = spec.build_controller("static:2", snapshot, models, 1, MAX_SEQ_LEN)
     theirs = spec.build_controller(f"static:2+dflash={tmp_path / 'other'}", snapshot, models, 1, MAX_SEQ_LEN)
     assert ours.engine.drafter.config.sliding_window is None
-    assert theirs.engine.drafter.config.sliding_window == 5
+    assert theirs.engine.drafter.config.sliding_window == 7
     assert_serves_losslessly(theirs, target)
     with pytest.raises(CheckpointError, match="no such directory"):
         spec.build_controller(f"static:2+dflash={tmp_path / 'nowhere'}", snapshot, models, 1, MAX_SEQ_LEN)
