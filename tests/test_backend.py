@@ -340,8 +340,9 @@ def test_sampled_requests_run_through_graphs_with_either_drafter(pair, kind):
 # ---- the feature drafters' own forwards through graphs (CPU stand-in) -------------------------
 
 
-def feature_drafter(kind: str, model, batch_size: int):
-    """An untrained EAGLE-3 head or DFlash drafter (`kind`) beside the target `model`."""
+def feature_drafter(kind: str, model, batch_size: int, window: int | None = None):
+    """An untrained EAGLE-3 head or DFlash drafter (`kind`) beside the target `model`, attending
+    within a sliding `window` if given."""
     from engine.dflash import DFlashDrafter, HybridDFlashDrafter
     from engine.eagle3 import Eagle3Drafter, HybridEagle3Drafter
     from tests.test_dflash import dflash_for
@@ -349,9 +350,9 @@ def feature_drafter(kind: str, model, batch_size: int):
 
     if kind in ("eagle3", "hybrid_eagle3"):
         head_class = HybridEagle3Drafter if kind == "hybrid_eagle3" else Eagle3Drafter
-        return head_class(head_for(model), model, batch_size, MAX_SEQ_LEN)
+        return head_class(head_for(model, window=window), model, batch_size, MAX_SEQ_LEN)
     cls = HybridDFlashDrafter if kind == "hybrid_dflash" else DFlashDrafter
-    return cls(dflash_for(model), model, batch_size, MAX_SEQ_LEN)
+    return cls(dflash_for(model, window=window), model, batch_size, MAX_SEQ_LEN)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "hybrid_eagle3", "dflash", "hybrid_dflash"])
@@ -385,10 +386,10 @@ def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures
         assert sum(g.replays for g in drafter.extend_graphs.values()) > 0
 
 
-def slotted_pair(kind: str, model):
+def slotted_pair(kind: str, model, window: int | None = None):
     """Two fresh drafters of `kind` beside `model`, one to replay graphs and one eager, each with
-    four slots of 5, 9, 2 and 7 entries."""
-    drafters = tuple(feature_drafter(kind, model, 4) for _ in range(2))
+    four slots of 5, 9, 2 and 7 entries (and a sliding `window` if given)."""
+    drafters = tuple(feature_drafter(kind, model, 4, window) for _ in range(2))
     for drafter in drafters:
         for slot, length in enumerate((5, 9, 2, 7)):
             drafter.cache.allocate()
@@ -401,11 +402,13 @@ def changed_entries(before: torch.Tensor, after: torch.Tensor) -> set[tuple[int,
     return {tuple(w) for w in after[0].ne(before[0]).flatten(2).any(-1).nonzero().tolist()}
 
 
-def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_live_entry(pair):
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_live_entry(pair, window):
     """A batch of 3 then one of 1 through the bucket of 4: the rows the first left behind are
-    reset to padding, so the second replay writes only its own entry and slot 0's scratch."""
+    reset to padding, so the second replay writes only its own entry and slot 0's scratch (and a
+    windowed head's replay sees the keys its eager step does)."""
     target, _ = pair
-    graphed, eager = slotted_pair("eagle3", target.model)
+    graphed, eager = slotted_pair("eagle3", target.model, window)
     graphed.graphs = graphed.capture_graphs(FakeGraphBackend(), [4])
     for seed, (slots, tokens, step) in enumerate((([1, 2, 3], [4, 5, 6], 0), ([2], [7], 1))):
         # New entries everywhere before each replay, as verified positions overwrite chain entries.
@@ -422,14 +425,15 @@ def test_a_replayed_chain_step_equals_the_eager_one_and_padding_rows_touch_no_li
     assert graphed.graphs.replays == 2
 
 
-def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touches_no_live_entry(pair):
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touches_no_live_entry(pair, window):
     """Three chains of up to 5 drafts (one row wanting 3) then one chain, through the bucket of 4:
     the same drafts as a step at a time, and only the chains' own entries and slot 0's scratch
     written, whatever rows an earlier batch left in the bucket."""
     from types import SimpleNamespace
 
     target, _ = pair
-    graphed, eager = slotted_pair("eagle3", target.model)
+    graphed, eager = slotted_pair("eagle3", target.model, window)
     graphed.chain_graphs[5] = graphed.capture_chain(FakeGraphBackend(), [4], 5)
     params = SamplingParams(max_tokens=16)
     for seed, (slots, ks) in enumerate((([1, 2, 3], [5, 3, 5]), ([2], [5]))):
@@ -475,6 +479,29 @@ def test_a_replayed_dflash_extend_writes_what_the_eager_one_does_and_padding_tou
         entries = {(s, start + j) for s, start, count in zip(slots, starts, counts) for j in range(count)}
         assert entries <= written <= entries | {(s, graphed.cache.scratch_pos) for s in range(4)}
     assert graphed.extend_graphs[4].replays == 2
+
+
+def test_the_dflash_block_at_fixed_shapes_sees_within_its_window_what_the_eager_one_does(pair):
+    """The block a graph captures attends over each slot's whole cache row, masked: within a
+    sliding window, the logits of the block forward over the context alone (PyTorch operators)."""
+    target, _ = pair
+    drafters = {window: slotted_pair("dflash", target.model, window)[0] for window in (9, None)}
+    logits = {}
+    for window, drafter in drafters.items():
+        drafter.native = None  # both forwards on PyTorch operators
+        for i, buffer in enumerate((drafter.cache.k, drafter.cache.v)):
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(i)))
+        size, slots = drafter.config.block_size, [1, 3, 2]
+        block = torch.full((len(slots), size), drafter.config.mask_token_id)
+        block[:, 0] = torch.tensor([4, 5, 6])
+        lengths = torch.tensor([[drafter.cache.lengths[s]] for s in slots])
+        eager = drafter.block_logits(slots, block, size - 1)
+        (fixed,) = drafter.static_block(torch.cat((block, lengths, torch.tensor(slots)[:, None]), dim=1))
+        torch.testing.assert_close(fixed, eager, atol=1e-5, rtol=1e-5)
+        logits[window] = eager
+    # The window hides the start of the longer contexts (9 and 7 entries), not of the one of 2.
+    assert not torch.allclose(logits[9][:2], logits[None][:2], atol=1e-3)
+    torch.testing.assert_close(logits[9][2], logits[None][2], atol=1e-5, rtol=1e-5)
 
 
 def test_the_feature_drafters_captured_bodies_read_nothing_back_to_the_host():
