@@ -232,6 +232,8 @@ class DFlashDrafter:
         self.graphs: CallGraphs | None = None
         # The extend after a verify of width k + 1, keyed by that width, captured with state k (`capture_extend`).
         self.extend_graphs: dict[int, CallGraphs] = {}
+        # A windowed drafter makes no context entries its window will never reach (`_extend`).
+        self.skip_before_window = True
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
         """New sequences, with the target's tapped hidden states of their prompts (rows in order)."""
@@ -260,12 +262,16 @@ class DFlashDrafter:
         slots: list[int] = []
         positions: list[int] = []
         pieces = []
+        window = self.skip_before_window and self.config.sliding_window
         for row, (seq, count) in enumerate(zip(seqs, counts)):
             slot = seq.draft_slot
             start = self.cache.lengths[slot]
-            slots += [slot] * count
-            positions += range(start, start + count)
-            pieces.append(taps[row, :count])
+            # A later block ends at least two past this context and sees back `window` from there:
+            # entries before that (a long prompt's start) are never seen, and not made.
+            skip = min(count, max(0, count + 2 - window)) if window else 0
+            slots += [slot] * (count - skip)
+            positions += range(start + skip, start + count)
+            pieces.append(taps[row, skip:count])
             self.cache.lengths[slot] = start + count
         if not slots:
             return

@@ -364,6 +364,39 @@ def test_the_compiled_drafter_computes_what_the_pytorch_one_does(pair, tmp_path,
         assert not torch.allclose(unseen[0], expected[0], atol=1e-3)
 
 
+def test_a_windowed_drafter_makes_no_context_its_window_never_reaches_and_drafts_the_same(pair, tmp_path):
+    """Admitting a prompt longer than the window makes only the entries a later block can see
+    (on the kernels and on PyTorch operators alike), and the block drafts what it would from all
+    of them: the same bits on the kernels."""
+    from tests.conftest import tiny_pair
+
+    target, _ = pair
+    plain, _ = tiny_pair(tmp_path, native_forward=False)  # the same weights (seeded), on PyTorch operators
+    model = dflash_for(target.model, window=7)
+    prompt = PROMPTS[2] + PROMPTS[0]  # 18 tokens: 17 held at admission, the last 6 of them made
+    for served in (target, plain):
+        logits, made = [], []
+        for skip in (True, False):
+            drafter = DFlashDrafter(model, served.model, 1, MAX_SEQ_LEN)
+            drafter.skip_before_window = skip
+            cache = served.model.new_cache(1, MAX_SEQ_LEN)
+            slot = cache.allocate()
+            taps = served.model(served.model.batch(cache, [slot], [prompt]), cache, capture=drafter.capture_layers)
+            seq = Sequence(Request(tuple(prompt)), slot=slot, generator=None, tokens=list(prompt))
+            before = drafter.cache.v.clone()  # [layers, slots, positions, kv heads, head dim]
+            drafter.admit([seq], taps.hidden)
+            made.append(int(drafter.cache.v[0].ne(before[0]).flatten(2).any(-1).sum()))
+            block = torch.full((1, BLOCK), model.config.mask_token_id)
+            block[0, 0] = prompt[-1]
+            logits.append(drafter.block_logits([seq.draft_slot], block, BLOCK - 1))
+            assert drafter.cache.lengths[seq.draft_slot] == len(prompt) - 1
+        assert made == [len(prompt) - 1 - (len(prompt) - 1 + 2 - 7), len(prompt) - 1]
+        if served.model.native is not None:
+            assert torch.equal(logits[0], logits[1])
+        else:  # the operators' products round by their shapes: 6 rows of context against 17
+            torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
 def test_tapped_hidden_states_are_the_layer_outputs_of_the_full_forward(pair):
     """A tap is the output of its layer: what transformers calls hidden_states[i + 1]."""
     import transformers
