@@ -863,3 +863,84 @@ int adaspec_greedy_chain(const Model *m, const Cache *cache, int rows, int width
     return failed;
 }
 
+
+/* Top-p filtering (engine/sampling.py `nucleus`): each row of `probs` ([rows, n], a distribution)
+ * kept on the smallest set of most likely tokens whose mass reaches top_p (the most likely always
+ * stays), renormalized, into `out`. No sort of the vocabulary: tokens go to buckets by how far
+ * their bits lie below the row's largest (a positive float's bits order as its value does: 128
+ * buckets an octave), whole buckets above the one where the mass reaches top_p are kept, and only
+ * that bucket's tokens are ranked. Returns 0, or -1 when memory could not be had. */
+#define NUCLEUS_SHIFT 16 /* 2^(23 - 16) = 128 buckets an octave */
+#define NUCLEUS_BUCKETS 4096 /* 32 octaves: the last bucket holds every token further below (and zeros) */
+
+typedef struct {
+    float value;
+    int32_t index;
+} Member;
+
+static int more_likely(const void *a, const void *b) {
+    const Member *x = a, *y = b;
+    if (x->value != y->value) return x->value < y->value ? 1 : -1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+int adaspec_nucleus(const float *probs, int rows, int n, float top_p, float *out) {
+    Member *members = malloc(sizeof(Member) * (size_t)n);
+    int32_t *bucket = malloc(sizeof(int32_t) * ((size_t)n + 16));
+    float *mass = malloc(sizeof(float) * NUCLEUS_BUCKETS);
+    if (!members || !bucket || !mass) {
+        free(members), free(bucket), free(mass);
+        return -1;
+    }
+    const int whole = n / 16 * 16;
+    for (int r = 0; r < rows; r++) {
+        const float *p = probs + (int64_t)r * n;
+        float *o = out + (int64_t)r * n;
+        float largest = p[0];
+        for (int i = 0; i < n; i++) largest = p[i] > largest ? p[i] : largest;
+        int32_t top;
+        memcpy(&top, &largest, sizeof top);
+        /* Each token's bucket: vectors, then the tail one by one, the same arithmetic. */
+        const vi last = (vi){0} + (NUCLEUS_BUCKETS - 1);
+        for (int i = 0; i < whole; i += 16) {
+            const vf x = *(const vf_unaligned *)(p + i);
+            const vi depth = ((vi){0} + top - (vi)x) >> NUCLEUS_SHIFT;
+            vi b = (vi)pick(depth < last, (vf)depth, (vf)last);
+            b = (vi)pick(x > 0.0f, (vf)b, (vf)last);
+            memcpy(bucket + i, &b, sizeof b);
+        }
+        for (int i = whole; i < n; i++) {
+            int32_t bits;
+            memcpy(&bits, p + i, sizeof bits);
+            const int32_t depth = (top - bits) >> NUCLEUS_SHIFT;
+            bucket[i] = !(p[i] > 0.0f) || depth >= NUCLEUS_BUCKETS - 1 ? NUCLEUS_BUCKETS - 1 : depth;
+        }
+        memset(mass, 0, sizeof(float) * NUCLEUS_BUCKETS);
+        for (int i = 0; i < n; i++) mass[bucket[i]] += p[i];
+        int crossing = NUCLEUS_BUCKETS - 1;
+        double above = 0.0; /* the mass of the buckets above `crossing` */
+        for (int b = 0; b < NUCLEUS_BUCKETS; b++) {
+            if (above + mass[b] >= top_p) {
+                crossing = b;
+                break;
+            }
+            above += mass[b];
+        }
+        int count = 0;
+        double total = above;
+        for (int i = 0; i < n; i++) {
+            o[i] = bucket[i] < crossing ? p[i] : 0.0f;
+            if (bucket[i] == crossing && p[i] > 0.0f) members[count++] = (Member){p[i], i};
+        }
+        qsort(members, (size_t)count, sizeof(Member), more_likely);
+        for (int j = 0; j < count && above < top_p; j++) {
+            o[members[j].index] = members[j].value;
+            total += members[j].value;
+            above += members[j].value;
+        }
+        const float scale = (float)(1.0 / total);
+        for (int i = 0; i < n; i++) o[i] *= scale;
+    }
+    free(members), free(bucket), free(mass);
+    return 0;
+}

@@ -7,8 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
+from engine import native
 from engine.generate import generate
-from engine.sampling import SamplingParams, sample, target_probs
+from engine.sampling import SamplingParams, nucleus, nucleus_by_operators, sample, target_probs
 from tests.conftest import forward_one
 
 
@@ -32,9 +33,13 @@ def test_top_k_and_top_p_restrict_the_support():
 
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
 @pytest.mark.parametrize("spread", [0.1, 1.0, 8.0])
-def test_top_p_keeps_the_smallest_prefix_of_the_sorted_vocabulary(top_p, spread):
+@pytest.mark.parametrize("by", ["kernels", "operators"])
+def test_top_p_keeps_the_smallest_prefix_of_the_sorted_vocabulary(top_p, spread, by):
     """The nucleus is what sorting the whole vocabulary and cutting where the mass reaches top_p
-    gives, also where it holds most of a flat vocabulary (more than the first tokens looked at)."""
+    gives, also where it holds most of a flat vocabulary (more than the first tokens looked at):
+    from the compiled kernels (what target_probs uses on a CPU) and from tensor operators."""
+    if by == "kernels" and native.library() is None:
+        pytest.skip(f"no compiled kernels: {native.problem()}")
     torch.manual_seed(int(spread * 10))
     logits = torch.randn(3, 8192) * spread
     probs = torch.softmax(logits, -1)
@@ -42,9 +47,28 @@ def test_top_p_keeps_the_smallest_prefix_of_the_sorted_vocabulary(top_p, spread)
     ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0.0)
     expected = torch.zeros_like(probs).scatter_(-1, order, ordered)
     expected = expected / expected.sum(-1, keepdim=True)
-    got = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    if by == "kernels":
+        got = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    else:
+        got = nucleus_by_operators(probs, top_p)
     assert torch.equal(got > 0, expected > 0)
     assert torch.allclose(got, expected, atol=1e-7)
+
+
+@pytest.mark.skipif(native.library() is None, reason="no compiled kernels")
+def test_the_compiled_top_p_keeps_zeros_out_and_cuts_ties_by_mass():
+    """Tokens of probability 0 (masked by top-k or outside a draft vocabulary) are never kept, and
+    where top_p falls among equally likely tokens both filters keep as many of them."""
+    logits = torch.full((2, 8192), -30.0)
+    logits[0, 1::2] = float("-inf")  # half the vocabulary impossible
+    logits[0, :64:2] = torch.linspace(4.0, 1.0, 32)
+    logits[1, 100:140] = 3.0  # 40 ties hold most of the mass
+    probs = torch.softmax(logits, -1)
+    for top_p in (0.5, 0.95):
+        got, want = nucleus(probs, top_p), nucleus_by_operators(probs, top_p)
+        assert not (got[0, 1::2] > 0).any()
+        assert torch.equal((got > 0).sum(-1), (want > 0).sum(-1))
+        assert torch.allclose(got.sort(-1).values, want.sort(-1).values, atol=1e-7)
 
 
 def test_sampled_tokens_follow_the_distribution(tiny_llama):
