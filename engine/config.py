@@ -239,7 +239,7 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, raw: dict, source: str = "config.json") -> DFlashConfig:
-        window = _drafter_window(raw.get("sliding_window"), source)
+        window = _drafter_window(raw, source)
         try:
             dflash = raw["dflash_config"]
             return cls(
@@ -399,7 +399,7 @@ class Eagle3Config:
         layers = raw.get("num_hidden_layers", 1)
         if layers != 1:
             raise CheckpointError(f"{source}: an EAGLE-3 head has one decoder layer, this config has {layers}")
-        window = _drafter_window(raw.get("sliding_window"), source)
+        window = _drafter_window(raw, source)
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             eagle = raw.get("eagle_config") or {}
@@ -457,10 +457,12 @@ class Eagle3Config:
         return cls.from_json(merged, source)
 
 
-def _drafter_window(window: object, source: str) -> int | None:
+def _drafter_window(raw: dict[str, Any], source: str) -> int | None:
     """A drafter's sliding_window: a whole number of positions >= 1, or null (0 reads as null, as
-    transformers' configs write it)."""
-    if window is None or window == 0:
+    transformers' configs write it, and so does any window beside use_sliding_window false, as
+    Qwen configs carry one they do not use)."""
+    window = raw.get("sliding_window")
+    if window is None or window == 0 or raw.get("use_sliding_window") is False:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise CheckpointError(

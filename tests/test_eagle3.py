@@ -582,6 +582,9 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "sliding_window" not in raw  # attends to every position before it
     save_eagle3(windowed(model, 256), tmp_path / "windowed")
     assert load_eagle3(tmp_path / "windowed", target.model).config.sliding_window == 256
+    unused = json.loads((tmp_path / "windowed" / "config.json").read_text()) | {"use_sliding_window": False}
+    (tmp_path / "windowed" / "config.json").write_text(json.dumps(unused))  # as Qwen configs carry one
+    assert load_eagle3(tmp_path / "windowed", target.model).config.sliding_window is None
 
     def broken(name: str, edit, weights=None) -> str:
         bad = tmp_path / name
