@@ -897,7 +897,15 @@ int adaspec_nucleus(const float *probs, int rows, int n, float top_p, float *out
         const float *p = probs + (int64_t)r * n;
         float *o = out + (int64_t)r * n;
         float largest = p[0];
-        for (int i = 0; i < n; i++) largest = p[i] > largest ? p[i] : largest;
+        if (whole) {
+            vf top_lanes = *(const vf_unaligned *)p;
+            for (int i = 16; i < whole; i += 16) {
+                const vf x = *(const vf_unaligned *)(p + i);
+                top_lanes = pick(x > top_lanes, x, top_lanes);
+            }
+            for (int lane = 0; lane < 16; lane++) largest = top_lanes[lane] > largest ? top_lanes[lane] : largest;
+        }
+        for (int i = whole; i < n; i++) largest = p[i] > largest ? p[i] : largest;
         int32_t top;
         memcpy(&top, &largest, sizeof top);
         /* Each token's bucket: vectors, then the tail one by one, the same arithmetic. */
@@ -917,9 +925,16 @@ int adaspec_nucleus(const float *probs, int rows, int n, float top_p, float *out
         }
         memset(mass, 0, sizeof(float) * NUCLEUS_BUCKETS);
         for (int i = 0; i < n; i++) mass[bucket[i]] += p[i];
+        /* The crossing bucket: whole runs of 16 buckets skipped while the mass stays under top_p. */
         int crossing = NUCLEUS_BUCKETS - 1;
         double above = 0.0; /* the mass of the buckets above `crossing` */
-        for (int b = 0; b < NUCLEUS_BUCKETS; b++) {
+        int b = 0;
+        for (; b + 16 <= NUCLEUS_BUCKETS; b += 16) {
+            const double run = hsum(*(const vf_unaligned *)(mass + b));
+            if (above + run >= top_p) break;
+            above += run;
+        }
+        for (; b < NUCLEUS_BUCKETS; b++) {
             if (above + mass[b] >= top_p) {
                 crossing = b;
                 break;
@@ -928,7 +943,17 @@ int adaspec_nucleus(const float *probs, int rows, int n, float top_p, float *out
         }
         int count = 0;
         double total = above;
-        for (int i = 0; i < n; i++) {
+        const vi cut = (vi){0} + crossing;
+        for (int i = 0; i < whole; i += 16) {
+            vi at;
+            memcpy(&at, bucket + i, sizeof at);
+            const vf x = *(const vf_unaligned *)(p + i);
+            *(vf_unaligned *)(o + i) = pick(at < cut, x, (vf){0});
+            const vi in_crossing = (at == cut) & (x > 0.0f);
+            for (int lane = 0; lane < 16; lane++)
+                if (in_crossing[lane]) members[count++] = (Member){x[lane], i + lane};
+        }
+        for (int i = whole; i < n; i++) {
             o[i] = bucket[i] < crossing ? p[i] : 0.0f;
             if (bucket[i] == crossing && p[i] > 0.0f) members[count++] = (Member){p[i], i};
         }
