@@ -13,6 +13,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from daemon.http import HttpServer, OpenAIApi
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.reload import Reloader
-from daemon.runtime import build_engine
+from daemon.runtime import Phase, build_engine
 from daemon.startup import Startup
 from engine.loop import EngineLoop
 
@@ -77,19 +79,18 @@ class Daemon:
                     max_connections=admin.max_connections,
                 )
             )
+            built: Future[EngineLoop] = Future()
+            build = partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch)
+            work = (built, build, self.snapshot, startup.phase)
+            self.thread = threading.Thread(target=_engine_thread, args=work, name="adaspec-engine", daemon=True)
+            self.thread.start()
             try:
-                loop = await anyio.to_thread.run_sync(
-                    partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch),
-                    self.snapshot,
-                    startup.phase,
-                )
+                loop = await anyio.to_thread.run_sync(built.result)
             except Exception:  # logged with its phase; the admin socket goes with the task group
                 tg.cancel_scope.cancel()
                 return 1
             self.loop = loop
             log.info("started", seconds=round(time.monotonic() - startup.started, 3))
-            self.thread = threading.Thread(target=loop.run, name="adaspec-engine", daemon=True)
-            self.thread.start()
             reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
             metrics.watch(loop, reloader)
             api = self._api(loop, metrics, key)
@@ -199,3 +200,22 @@ class Daemon:
                 self.stopping.set()
                 return
             await anyio.sleep(interval)
+
+
+def _engine_thread(
+    built: Future[EngineLoop],
+    build: Callable[[ConfigSnapshot, Phase], EngineLoop],
+    snapshot: ConfigSnapshot,
+    phase: Phase,
+) -> None:
+    """Build the engine, then run it, on this one thread. The compiled kernels' OpenMP team
+    belongs to the thread that first runs them; once a second thread has a team, libgomp counts
+    more of its threads than there are cores and stops spinning at its barriers, and every
+    forward ran three times slower. So nothing else in the daemon runs them."""
+    try:
+        loop = build(snapshot, phase)
+    except BaseException as err:
+        built.set_exception(err)
+        return
+    built.set_result(loop)
+    loop.run()
