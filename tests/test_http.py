@@ -399,3 +399,23 @@ def test_serving_your_own_checkpoint_as_the_readme_says(tmp_path):
         assert completion.choices[0].text == reference(mine, mine.tokenizer.encode(PROMPT).ids, MAX_TOKENS)[0]
     finally:
         stop_daemon(daemon)
+
+
+def test_the_listening_socket_sends_each_write_without_waiting_for_an_ack():
+    """A response goes out as two writes (headers, then body): with Nagle's algorithm on, a
+    keep-alive connection's every later response waited 40 ms for the client's delayed ACK. The
+    daemon's connections have it off, and say they are TCP (asyncio turns it off only then)."""
+    import socket
+
+    from daemon.http import _bind
+
+    listening = _bind("127.0.0.1", 0)
+    listening.setblocking(True)
+    client = socket.create_connection(listening.getsockname()[:2])
+    accepted, _ = listening.accept()
+    try:
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert accepted.proto == socket.IPPROTO_TCP
+    finally:
+        for s in (accepted, client, listening):
+            s.close()
