@@ -419,3 +419,11 @@ def test_the_listening_socket_sends_each_write_without_waiting_for_an_ack():
     finally:
         for s in (accepted, client, listening):
             s.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="thread names are read from /proc (Linux)")
+def test_the_engine_thread_is_named_for_top(daemon):
+    """`top -H` and `ps -L` show the thread that loads, builds and runs the engine by its name."""
+    tasks = Path(f"/proc/{daemon.process.pid}/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    assert "adaspec-engine" in names
