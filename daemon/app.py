@@ -211,10 +211,10 @@ def _engine_thread(
     snapshot: ConfigSnapshot,
     phase: Phase,
 ) -> None:
-    """Build the engine, then run it, on this one thread. The compiled kernels' OpenMP team
-    belongs to the thread that first runs them; once a second thread has a team, libgomp counts
-    more of its threads than there are cores and stops spinning at its barriers, and every
-    forward ran three times slower. So nothing else in the daemon runs them."""
+    """Build the engine, then run it, on this one thread. Each thread that runs the compiled
+    kernels gets its own OpenMP team; with a second team libgomp manages more threads than there
+    are cores and stops spinning at its barriers, and a forward takes about three times as long.
+    So nothing else in the daemon runs them."""
     _name_os_thread(b"adaspec-engine")
     try:
         loop = build(snapshot, phase)

@@ -382,9 +382,9 @@ class _Server(uvicorn.Server):
 
 def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, its connections with Nagle's algorithm off. A response goes out as
-    two writes (headers, then body; or one per streamed chunk); with Nagle on, each write after
-    the first of a keep-alive connection waited for the client's delayed ACK, 40 ms. asyncio
-    turns it off only on sockets that say they are TCP, and `create_server` leaves proto at 0."""
+    two writes (headers, then body; or one per streamed chunk); with Nagle on, a write after the
+    first of a keep-alive connection waits for the client's delayed ACK, 40 ms. asyncio turns it
+    off only on sockets that say they are TCP, and `create_server` leaves proto at 0."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         bound = socket.create_server((host, port), family=family, backlog=2048)
