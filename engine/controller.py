@@ -166,7 +166,7 @@ class Controller:
             return
         # The policy switches many times a second while it explores: its own switches are debug
         # events (their counts are in the metrics), built only when debug is on (an event dropped
-        # by the level still cost 30 us a switch); an operator's pin, force or reload is info.
+        # by the level still costs 30 us a switch); an operator's pin, force or reload is info.
         operator = reason in OPERATOR_REASONS
         if operator or levels.isEnabledFor(logging.DEBUG):
             emit = log.info if operator else log.debug
