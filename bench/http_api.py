@@ -1,19 +1,26 @@
 """Tokens/s through the HTTP API: the adaptive policy against each static k, at 1, 4 and 16 clients.
 
     python -m bench.http_api [--workload bench/workloads/transition.jsonl] [--requests N]
-        [--concurrency 1,4,16] [--steps 1,3,7] [--max-batch-size 16] [--json OUT]
+        [--concurrency 1,4,16] [--steps 1,3,7] [--max-batch-size 16] [--in-process] [--json OUT]
 
 One daemon per configuration, started on a free port and stopped after its runs: first the
 shipped config.toml's [adaptive] section, then [adaptive] enabled = false with
 static_k = K for each K. Each serves the same workload at every concurrency through
 `bench.spec.run_url` (closed loop: N clients, the next request sent as one finishes).
 engine.max_batch_size is 16 by default so that 16 clients decode together.
+
+With --in-process, after each daemon has stopped, the same config's engine serves the same
+requests in this process as the daemon served them (one engine: the warm-up, then each
+concurrency in turn, so that its lookups remember the same requests), and a second table gives
+the daemon's tokens/s over the engine's own: what the HTTP API and the daemon around the engine
+cost. The daemon once ran at 0.40x there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -23,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import tomllib
 
@@ -47,6 +55,7 @@ port = 0
 format = "json"
 """
 START_TIMEOUT_S = 180
+_MODELS: dict[object, Any] = {}  # [engine] section -> the models this process loaded for it
 
 
 @dataclass(frozen=True)
@@ -87,13 +96,41 @@ def _ready_address(process: subprocess.Popen, log: Path) -> str:
     raise SystemExit(f"the daemon was not ready within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
 
 
-def measure(adaptive: str, items: list[WorkItem], concurrencies: list[int], max_batch_size: int) -> list[ModeReport]:
+def warm_items(items: list[WorkItem], concurrencies: list[int]) -> list[WorkItem]:
+    """Short requests that run the first forwards at each batch shape, charged to no measured run."""
+    return [replace(item, params=replace(item.params, max_tokens=8)) for item in items[: max(concurrencies)]]
+
+
+def measure(
+    adaptive: str, items: list[WorkItem], concurrencies: list[int], max_batch_size: int, in_process: bool = False
+) -> tuple[list[ModeReport], list[ModeReport]]:
+    """The daemon's report at each concurrency, and with `in_process` the engine's own (else [])."""
     with daemon(adaptive, max_batch_size) as running:
-        url = running.url
-        # Warm up (first forwards at each batch shape) without charging any measured run for it.
-        warm = [replace(item, params=replace(item.params, max_tokens=8)) for item in items[: max(concurrencies)]]
-        run_url(url, warm, max(concurrencies))
-        return [run_url(url, items, concurrency) for concurrency in concurrencies]
+        run_url(running.url, warm_items(items, concurrencies), max(concurrencies))
+        served = [run_url(running.url, items, concurrency) for concurrency in concurrencies]
+    engine = measure_in_process(running.config, items, concurrencies, max_batch_size) if in_process else []
+    return served, engine
+
+
+def measure_in_process(
+    config: Path, items: list[WorkItem], concurrencies: list[int], max_batch_size: int
+) -> list[ModeReport]:
+    """The daemon's config served in this process as the daemon served it: one engine, the
+    warm-up first, then each concurrency in turn; each report counts the engine's own rounds."""
+    from bench.spec import bench_snapshot, build_controller, run_mode
+    from daemon.runtime import load_models
+
+    options = argparse.Namespace(config=config, target=None, draft=None, drafter=None)
+    snapshot = bench_snapshot(options)
+    if snapshot.engine not in _MODELS:  # every daemon here has the same [engine]: loaded once
+        _MODELS[snapshot.engine] = load_models(snapshot)
+    models = _MODELS[snapshot.engine]
+    adaptive = snapshot.adaptive
+    mode = f"adaptive:{adaptive.policy.strategy}" if adaptive.enabled else f"static:{adaptive.static_k}"
+    controller = build_controller(mode, snapshot, models, max_batch_size, snapshot.engine.max_seq_len)
+    tokenizer = models.target.tokenizer
+    run_mode(controller, warm_items(items, concurrencies), tokenizer, max(concurrencies))
+    return [run_mode(controller, items, tokenizer, concurrency) for concurrency in concurrencies]
 
 
 def shipped_adaptive() -> str:
@@ -117,8 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="numbers of clients, comma-separated")
     parser.add_argument("--steps", default="1,3,7", help="the static k to compare with, comma-separated")
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--in-process", action="store_true", help="also serve each config in this process: the daemon over the engine"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line a request once logging is set up here
 
     items = read_workload(args.workload)[: args.requests]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -126,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     modes |= {f"static:{k}": f"enabled = false\nstatic_k = {k}" for k in args.steps.split(",")}
     print(f"workload {args.workload}: {len(items)} requests, concurrency {concurrencies}", file=sys.stderr)
     results: dict[str, list[ModeReport]] = {}
+    engine: dict[str, list[ModeReport]] = {}
     for mode, adaptive in modes.items():
-        results[mode] = measure(adaptive, items, concurrencies, args.max_batch_size)
+        results[mode], engine[mode] = measure(adaptive, items, concurrencies, args.max_batch_size, args.in_process)
         print(f"  {mode}: " + ", ".join(f"{rate(r):.1f}" for r in results[mode]) + " tok/s", file=sys.stderr)
 
     statics = [m for m in modes if m != "adaptive"]
@@ -147,6 +189,15 @@ def main(argv: list[str] | None = None) -> None:
             f"  adaptive at {concurrency} clients: {adaptive.accepted / max(adaptive.verified, 1):.2f} accepted "
             f"drafts per round, {adaptive.switches} switches, rounds by k: {rounds}"
         )
+    if args.in_process:
+        print("daemon over the same engine in this process (tokens/s: daemon / engine)")
+        print(f"{'clients':>7} " + " ".join(f"{m:>22}" for m in modes))
+        for i, concurrency in enumerate(concurrencies):
+            cells = [
+                f"{rate(results[m][i]):.0f} / {rate(engine[m][i]):.0f} {rate(results[m][i]) / rate(engine[m][i]):.2f}x"
+                for m in modes
+            ]
+            print(f"{concurrency:>7} " + " ".join(f"{cell:>22}" for cell in cells))
     if args.json:
         out = {m: {str(c): r.as_json() for c, r in zip(concurrencies, reports)} for m, reports in results.items()}
         args.json.write_text(json.dumps(out, indent=2) + "\n")

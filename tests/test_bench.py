@@ -181,3 +181,24 @@ def test_the_ceiling_refuses_sampled_requests(tmp_path):
     target, draft, workload = tiny_setup(tmp_path, [{"prompt": "w3", "max_tokens": 4, "temperature": 1.0}], 0.2)
     with pytest.raises(SystemExit):
         ceiling_main(["--workload", str(workload), "--target", str(target), "--draft", str(draft)])
+
+
+def test_the_http_bench_serves_each_config_through_a_daemon_and_in_process(tmp_path, capsys):
+    """bench.http_api with --in-process: a real daemon per config, then the same config's engine
+    here, and a table of the daemon's tokens/s over the engine's, for every mode and client count."""
+    from bench.http_api import main as http_main
+
+    workload = tmp_path / "work.jsonl"
+    lines = [{"prompt": f"def f{i}(x):\n    return x +", "max_tokens": 8} for i in range(3)]
+    workload.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    http_main(
+        ["--workload", str(workload), "--concurrency", "1", "--steps", "2", "--max-batch-size", "2", "--in-process"]
+    )
+    out = capsys.readouterr().out
+    table = out[out.index("daemon over the same engine") :].splitlines()
+    assert table[1].split() == ["clients", "adaptive", "static:2"]
+    clients, *cells = table[2].split()
+    assert clients == "1" and len(cells) == 8  # per mode: daemon / engine ratio
+    for served, slash, engine, ratio in (cells[:4], cells[4:]):
+        assert slash == "/" and float(served) > 0 and float(engine) > 0
+        assert float(ratio.removesuffix("x")) == pytest.approx(float(served) / float(engine), abs=0.05)
