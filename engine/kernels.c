@@ -341,6 +341,11 @@ typedef struct {
     float *queries, *probs;
 } AttendScratch;
 
+/* The first position a query at `pos` sees: 0, or the start of the model's sliding window. */
+static inline int window_start(const Model *m, int pos) {
+    return m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
+}
+
 /* One row's new tokens, for the query heads that share kv head `kv`: scores and weighted values
  * as tiles of products (queries x keys, probabilities x values), so that a query's result does
  * not depend on which other queries share its tile (causally hidden keys get a probability of
@@ -362,8 +367,7 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
             out_rows[r] = out + t * out_stride + head * dim;
             const int sees = block ? length - 1 : start + t;
             if (sees > last) last = sees;
-            const int first = m->sliding_window > 0 && sees - m->sliding_window + 1 > 0 ? sees - m->sliding_window + 1 : 0;
-            if (first < earliest) earliest = first;
+            if (window_start(m, sees) < earliest) earliest = window_start(m, sees);
         }
         /* Keys before the window of every query of the tile are skipped whole panels at a time: a
          * probability of exactly 0 adds nothing to a sum that starts at 0, so each result is the
@@ -375,8 +379,7 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
         }
         for (int r = 0; r < rows; r++) {
             const int pos = block ? length - 1 : start + (q0 + r) / group;
-            const int first = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
-            softmax(s->probs + r * ldp, from, first, pos, last, scale);
+            softmax(s->probs + r * ldp, from, window_start(m, pos), pos, last, scale);
         }
         for (int d = 0; d < dim; d += PANEL) {
             float *rows_at[TILE_ROWS];
