@@ -32,7 +32,7 @@ from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflas
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side
+from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side, visible_keys
 from engine.native import NativeDFlash
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
@@ -159,10 +159,10 @@ def block_mask(context_len: Tensor, width: int, size: int, window: int | None = 
     batch, device = context_len.shape[0], context_len.device
     visible = torch.arange(width, device=device)[None, :] < context_len[:, None]
     whole = torch.ones(batch, size, dtype=torch.bool, device=device)
-    if window is not None:
+    if window is not None:  # every position of the block sees back as far as its last one
         last = context_len[:, None] + size - 1
-        visible &= torch.arange(width, device=device)[None, :] > last - window
-        whole &= (context_len[:, None] + torch.arange(size, device=device)[None, :]) > last - window
+        visible &= visible_keys(last, torch.arange(width, device=device)[None, :], window)
+        whole &= visible_keys(last, context_len[:, None] + torch.arange(size, device=device)[None, :], window)
     return torch.cat((visible, whole), dim=1)[:, None, None, :].expand(batch, 1, size, width + size)
 
 
