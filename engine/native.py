@@ -292,8 +292,9 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def nucleus(probs: Tensor, top_p: float) -> Tensor | None:
-    """engine.sampling's top-p filter of float32 rows on a CPU in the kernels (about 20 times
-    faster than its tensor operators on an 8192-token row); None where they are not built."""
+    """engine.sampling's top-p filter of float32 rows on a CPU in the kernels (about 7 times
+    faster than its tensor operators on an 8192-token row, bench.sampling); None where they are
+    not built."""
     lib = library()
     if lib is None:
         return None
