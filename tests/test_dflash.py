@@ -634,26 +634,34 @@ def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, t
     assert report["last_loss"] < 0.6 * report["first_loss"]  # cross-entropy on the target's greedy tokens
 
 
-def test_a_bench_mode_serves_the_dflash_drafter_it_names(pair, tmp_path):
-    """`+dflash=PATH` in a bench mode: that drafter drafts in place of the config's, on the same
-    loaded target, so two drafters are compared side by side; a path with none is named."""
+def bench_modes_naming(kind: str, target, folder):
+    """The bench's static:2 mode over a config serving drafter `kind` from folder/"ours", and the
+    same mode with `+KIND=folder/other`; a mode naming a folder with no drafter is refused by name.
+    Both drafters must be saved there already."""
     from bench import spec
     from control.config import load_config
     from daemon.runtime import load_models
 
-    target, _ = pair
-    save_dflash(dflash_for(target.model), tmp_path / "dflash")
-    save_dflash(dflash_for(target.model, seed=1, window=7), tmp_path / "other")
-    config = tmp_path / "config.toml"
+    config = folder / "config.toml"
     config.write_text(
-        f'[engine]\ntarget = "{target.path}"\ndrafter = "dflash"\ndflash = "dflash"\nmax_seq_len = {MAX_SEQ_LEN}\n'
+        f'[engine]\ntarget = "{target.path}"\ndrafter = "{kind}"\n{kind} = "ours"\nmax_seq_len = {MAX_SEQ_LEN}\n'
     )
     snapshot = load_config(config, check_models=True)
     models = load_models(snapshot)
     ours = spec.build_controller("static:2", snapshot, models, 1, MAX_SEQ_LEN)
-    theirs = spec.build_controller(f"static:2+dflash={tmp_path / 'other'}", snapshot, models, 1, MAX_SEQ_LEN)
+    theirs = spec.build_controller(f"static:2+{kind}={folder / 'other'}", snapshot, models, 1, MAX_SEQ_LEN)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        spec.build_controller(f"static:2+{kind}={folder / 'nowhere'}", snapshot, models, 1, MAX_SEQ_LEN)
+    return ours, theirs
+
+
+def test_a_bench_mode_serves_the_dflash_drafter_it_names(pair, tmp_path):
+    """`+dflash=PATH` in a bench mode: that drafter drafts in place of the config's, on the same
+    loaded target, so two drafters are compared side by side; a path with none is named."""
+    target, _ = pair
+    save_dflash(dflash_for(target.model), tmp_path / "ours")
+    save_dflash(dflash_for(target.model, seed=1, window=7), tmp_path / "other")
+    ours, theirs = bench_modes_naming("dflash", target, tmp_path)
     assert ours.engine.drafter.config.sliding_window is None
     assert theirs.engine.drafter.config.sliding_window == 7
     assert_serves_losslessly(theirs, target)
-    with pytest.raises(CheckpointError, match="no such directory"):
-        spec.build_controller(f"static:2+dflash={tmp_path / 'nowhere'}", snapshot, models, 1, MAX_SEQ_LEN)

@@ -21,7 +21,7 @@ from engine.generate import generate
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
 from tests.conftest import ROOT
-from tests.test_dflash import assert_serves_losslessly, serve_switching
+from tests.test_dflash import assert_serves_losslessly, bench_modes_naming, serve_switching
 from tests.test_speculative import MAX_SEQ_LEN, PROMPTS, assert_follows_marginals, exact_marginals
 
 
@@ -786,26 +786,13 @@ def test_training_files_leave_out_the_folders_named(tmp_path):
 def test_a_bench_mode_serves_the_eagle3_head_it_names(pair, tmp_path):
     """`+eagle3=PATH` in a bench mode: that head drafts in place of the config's, on the same
     loaded target, so two heads are compared side by side; a path with no head is named."""
-    from bench import spec
-    from control.config import load_config
-    from daemon.runtime import load_models
-
     target, _ = pair
-    save_eagle3(head_for(target.model), tmp_path / "head")
+    save_eagle3(head_for(target.model), tmp_path / "ours")
     save_eagle3(head_for(target.model, draft_vocab=8, seed=1), tmp_path / "other")
-    config = tmp_path / "config.toml"
-    config.write_text(
-        f'[engine]\ntarget = "{target.path}"\ndrafter = "eagle3"\neagle3 = "head"\nmax_seq_len = {MAX_SEQ_LEN}\n'
-    )
-    snapshot = load_config(config, check_models=True)
-    models = load_models(snapshot)
-    ours = spec.build_controller("static:2", snapshot, models, 1, MAX_SEQ_LEN)
-    theirs = spec.build_controller(f"static:2+eagle3={tmp_path / 'other'}", snapshot, models, 1, MAX_SEQ_LEN)
+    ours, theirs = bench_modes_naming("eagle3", target, tmp_path)
     assert ours.engine.drafter.model.config.draft_vocab_size == target.model.config.vocab_size
     assert theirs.engine.drafter.model.config.draft_vocab_size == 8
     assert_serves_losslessly(theirs, target)
-    with pytest.raises(CheckpointError, match="no such directory"):
-        spec.build_controller(f"static:2+eagle3={tmp_path / 'nowhere'}", snapshot, models, 1, MAX_SEQ_LEN)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="training on CUDA needs a CUDA device")
