@@ -226,3 +226,43 @@ def test_a_longer_k_put_off_by_its_losses_is_tried_soon_when_the_traffic_turns()
     moves = tries(policy, serve(lambda round: True), 300)
     assert moves and moves[0] < 32  # within a window of the new traffic
     assert policy.k == 5
+
+
+def test_a_new_requests_prompt_taken_in_during_a_try_does_not_decide_it():
+    # k = 5 serves 6 tokens in 10 ms, k = 3 4 tokens in 8 ms: 5 is 20% faster. A request
+    # arrives during the try of 5, and the drafter takes in its prompt in that round: 12 ms more,
+    # which k = 3 would have paid as well. Counted, it would make the try lose by 8%.
+    at_five = itertools.count()
+
+    def serve(k: int) -> Observation:
+        if k == 3:
+            return Observation(3, (3,), (3,), round_seconds=0.008)
+        intake = next(at_five) == 1  # the try's first round after the move
+        return Observation(5, (5,), (5,), round_seconds=0.022 if intake else 0.010, takes_in_prompt=intake)
+
+    policy = MeasuredPolicy(replace(LADDER, candidate_k=(3, 5)), initial_k=3)
+    moves = tries(policy, serve, 60)
+    assert moves[1] - moves[0] > 2 * LADDER.update_interval  # the try was judged a win and kept
+    assert policy.k == 5
+
+
+def test_a_prompt_taken_in_counts_against_drafting_where_k_0_takes_in_none():
+    # A drafter takes in each new request's prompt in its first round at k > 0, and never at
+    # k = 0. k = 1 keeps its draft in every round (2 tokens in 14 ms against 1 in 8: 14% more),
+    # but a request arrives every 4 rounds and its prompt costs 40 ms: 17 ms a round more on
+    # average, and k = 0 serves 50% more.
+    at_one = itertools.count()
+
+    def serve(k: int) -> Observation:
+        if k == 0:
+            return Observation(0, (0,), (0,), round_seconds=0.008)
+        intake = next(at_one) % 4 == 0
+        return Observation(1, (1,), (1,), round_seconds=0.054 if intake else 0.014, takes_in_prompt=intake)
+
+    served = []
+    policy = MeasuredPolicy(replace(LADDER, candidate_k=(0, 1)), initial_k=1)
+    for _ in range(1000):
+        served.append(policy.k)
+        policy.observe(serve(policy.k))
+    assert policy.k == 0
+    assert served[200:].count(1) < 0.05 * 800
