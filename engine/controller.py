@@ -195,7 +195,6 @@ class Controller:
                     draft_seconds=result.draft_seconds,
                     verify_seconds=result.verify_seconds,
                     round_seconds=round_seconds,
-                    takes_in_prompt=result.first_drafts > 0,
                 )
             )
         else:

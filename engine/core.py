@@ -87,8 +87,6 @@ class StepResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     drafts_trimmed: int = 0  # drafts left unverified because the drafter was unsure of them
-    # Sequences the drafter proposed for the first time: it took in their prompts this round.
-    first_drafts: int = 0
 
 
 def rows(hidden: dict[int, Tensor], keep: list[int]) -> dict[int, Tensor]:
@@ -282,10 +280,6 @@ class Engine:
 
     def _round(self, state: RuntimeState, seqs: list[Sequence], outputs: dict, result: StepResult) -> None:
         started = time.perf_counter()
-        if state.k and self.drafter is not None:
-            for seq in seqs:
-                result.first_drafts += not seq.drafted
-                seq.drafted = True
         proposals = self.draft(state, seqs)
         if self.draft_confidence > 0:
             for proposal in proposals:

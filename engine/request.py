@@ -48,7 +48,6 @@ class Sequence:
     finish_reason: str | None = None
     text: OutputText | None = None  # the output as text, kept where there are stop strings to find
     draft_slot: int | None = None  # the drafter's own cache slot, if it has one
-    drafted: bool = False  # whether the drafter has proposed for it yet (and so taken in its prompt)
 
     @property
     def params(self) -> SamplingParams:

@@ -135,25 +135,6 @@ def test_new_params_apply_at_a_boundary_and_need_built_states(pair):
     assert ok.k in (2, 4) and result.k in (2, 4)
 
 
-@pytest.mark.parametrize("k", [3, 0])
-def test_the_policy_is_told_which_rounds_took_in_a_new_requests_prompt(pair, k):
-    """A drafter takes in a prompt at the request's first round at k > 0: a cost of the request,
-    not of k, that the measured strategy leaves out of comparisons between two k > 0."""
-    controller = make(pair, adaptive=False, static_k=k)
-    seen = []
-    observe = controller.policy.observe
-    controller.policy.observe = lambda observation: seen.append(observation) or observe(observation)
-    first, second = (Request(tuple(p), SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS[:2])
-    controller.engine.add_request(first)
-    for _ in range(3):
-        controller.step()
-    controller.engine.add_request(second)  # admitted beside the first, which has drafted before
-    for _ in range(2):
-        controller.step()
-    # At k = 0 nothing is drafted, so no prompt is taken in.
-    assert [o.takes_in_prompt for o in seen] == ([True, False, False, True, False] if k else [False] * 5)
-
-
 def test_static_mode_holds_its_k(pair):
     controller = make(pair, adaptive=False, static_k=3)
     for p in PROMPTS:

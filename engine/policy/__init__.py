@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from engine.policy.contracts import Decision, Observation, Policy, snap
 from engine.policy.ema import EmaPolicy
-from engine.policy.measured import STALL_FACTOR, MeasuredPolicy
+from engine.policy.measured import STALL_FACTOR, MeasuredPolicy, window_rate
 from engine.policy.params import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
 from engine.policy.slots import STRATEGIES, SlottedPolicy
 
@@ -43,4 +43,5 @@ __all__ = [
     "SlottedPolicy",
     "make_policy",
     "snap",
+    "window_rate",
 ]

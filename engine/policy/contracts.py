@@ -20,9 +20,6 @@ class Observation:
     verify_seconds: float = 0.0
     # The whole round's wall time, emitting included (not admitting new requests); 0 when unknown.
     round_seconds: float = 0.0
-    # Whether the drafter took in a new request's prompt in this round: a cost of the request, the
-    # same at every k > 0, that a round of new requests pays on top of its k's own.
-    takes_in_prompt: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -31,14 +31,19 @@ class Round(NamedTuple):
     tokens: int
     seconds: float
     accepted: tuple[int, ...]  # accepted drafts of each sequence
-    takes_in_prompt: bool  # whether the drafter took in a new request's prompt
 
 
-def mean_seconds(seconds: Seq[float]) -> float:
-    """Mean seconds of recent rounds, each held to STALL_FACTOR times their median, so that a few
-    rounds the machine stalled in do not move it."""
-    most = STALL_FACTOR * statistics.median(seconds)
-    return sum(min(s, most) for s in seconds) / len(seconds)
+def window_rate(rounds: Seq[Round]) -> float:
+    """Tokens per second of recent rounds: their tokens over their seconds (a mean of per-round
+    rates would weigh a round of 1 token as much as one of 6), each round held to STALL_FACTOR
+    times the median, so that a few rounds the machine stalled in do not move it."""
+    return sum(r.tokens for r in rounds) / (len(rounds) * round_seconds(rounds))
+
+
+def round_seconds(rounds: Seq[Round]) -> float:
+    """Mean seconds of recent rounds, each held to STALL_FACTOR times their median."""
+    most = STALL_FACTOR * statistics.median(r.seconds for r in rounds)
+    return sum(min(r.seconds, most) for r in rounds) / len(rounds)
 
 
 def tokens_at(accepted: Seq[int], k: int) -> int:
@@ -98,22 +103,10 @@ class MeasuredPolicy(Schedule):
         return window[0]
 
     def rate(self, k: int, batch_size: int) -> float | None:
-        """Tokens per second of k's recent rounds at this batch size, while current: their tokens
-        over their count times k's round seconds (a mean of per-round rates would weigh a round of
-        1 token as much as one of 6)."""
+        """Tokens per second of k's recent rounds at this batch size, while current; a round the
+        machine stalled in counts for at most STALL_FACTOR times the window's median."""
         rounds = self.current(k, batch_size)
-        if rounds is None:
-            return None
-        return sum(r.tokens for r in rounds) / (len(rounds) * self.round_seconds(k, batch_size, intake=True))
-
-    def round_seconds(self, k: int, batch_size: int, intake: bool) -> float:
-        """Mean seconds of k's recent rounds at this batch size. A drafter takes in each new
-        request's prompt in the request's first round at k > 0, alike at every k > 0, and never at
-        k = 0: those rounds count only with `intake`, where k = 0 is compared; between two k > 0
-        they would only add noise (a prompt costs about as much as a round)."""
-        rounds = self.windows[(k, batch_size)][0]
-        seconds = [r.seconds for r in rounds if intake or not r.takes_in_prompt]
-        return mean_seconds(seconds or [r.seconds for r in rounds])
+        return None if rounds is None else window_rate(rounds)
 
     def learn(self, observation: Observation) -> None:
         self.rounds += 1
@@ -121,16 +114,13 @@ class MeasuredPolicy(Schedule):
         seconds, tokens = observation.seconds, observation.tokens
         if seconds <= 0:
             return
-        # A new request's prompt taken in by the drafter is not the cost of a try between two
-        # k > 0 (the k left pays it too), but it is of a try of drafting from k = 0.
-        intake = observation.takes_in_prompt
-        if self.probe_from is not None and (first or not intake or self.probe_from == 0):
+        if self.probe_from is not None:
             self.trial = (self.trial[0] + tokens, self.trial[1] + seconds)
         if first:
             return  # the move's own cost: charged to the try, not to the k's rate
         key = (observation.k, observation.batch_size)
         window = self.windows[key][0] if key in self.windows else deque(maxlen=WINDOW_ROUNDS)
-        window.append(Round(tokens, seconds, observation.accepted, intake))
+        window.append(Round(tokens, seconds, observation.accepted))
         self.windows[key] = (window, self.rounds)
 
     def observe(self, observation: Observation) -> Decision | None:
@@ -178,7 +168,7 @@ class MeasuredPolicy(Schedule):
         # the next try comes when tries have lost at most `exploration` of the time.
         tokens, seconds = self.trial
         lost = max(0.0, seconds - tokens / left_rate)
-        spacing = lost / (self.params.exploration * self.round_seconds(left, b, intake=True))
+        spacing = lost / (self.params.exploration * round_seconds(self.windows[(left, b)][0]))
         # A shorter k that keeps losing is tried ever more seldom: on steady traffic each try of
         # a worse neighbour is a loss. Only a shorter one: it is judged on the longer k's whole
         # window, whose tokens at the shorter are exact, where a longer one is judged on its own
@@ -213,9 +203,8 @@ class MeasuredPolicy(Schedule):
             return False
         tokens = sum(r.tokens for r in rounds)
         full = sum(kept >= here for r in rounds for kept in r.accepted)
-        intake = not (k and here)
-        estimate = (tokens + full * sum(beyond) / len(beyond)) / self.round_seconds(k, b, intake)
-        return estimate > tokens / self.round_seconds(here, b, intake) * (1 + self.params.switch_margin)
+        estimate = (tokens + full * sum(beyond) / len(beyond)) / round_seconds(tried)
+        return estimate > tokens / round_seconds(rounds) * (1 + self.params.switch_margin)
 
     def paired_rates(self, tried: int, left: int, b: int) -> tuple[float, float] | None:
         """Tokens per second of the k tried and of the k left, both over the same rounds: those
@@ -229,8 +218,7 @@ class MeasuredPolicy(Schedule):
         short, long = sorted((tried, left))
         rounds = windows[long]
         tokens = {long: sum(r.tokens for r in rounds), short: sum(tokens_at(r.accepted, short) for r in rounds)}
-        intake = not (tried and left)
-        rates = {k: tokens[k] / (len(rounds) * self.round_seconds(k, b, intake)) for k in (short, long)}
+        rates = {k: tokens[k] / (len(rounds) * round_seconds(windows[k])) for k in (short, long)}
         return rates[tried], rates[left]
 
     def _neighbours(self, k: int) -> list[int]:
