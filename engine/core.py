@@ -171,10 +171,10 @@ class Engine:
         return state
 
     def _capture_graphs(self, k: int) -> tuple[GraphSet, int]:
-        """State k's verify graphs (and an EAGLE-3 head's greedy chain of k, or a DFlash
-        drafter's extend after a verify of k + 1), and the shared draft-step graphs if no state
-        has captured them yet (this state then pays for them); returns the graphs and the memory
-        they added."""
+        """State k's verify graphs (and a feature drafter's extend after a verify of k + 1, and an
+        EAGLE-3 head's greedy chain of k), and the shared draft-step graphs if no state has
+        captured them yet (this state then pays for them); returns the graphs and the memory they
+        added."""
         assert self.graph_runner is not None
         graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], self.capture_layers)
         memory = graphs.memory_bytes
@@ -186,11 +186,12 @@ class Engine:
         if k > 0 and isinstance(drafter, (Eagle3Drafter, DFlashDrafter)) and drafter.graphs is None:
             drafter.graphs = drafter.capture_graphs(self.backend, self.graph_runner.batch_sizes)
             memory += drafter.graphs.memory_bytes
+        sizes = self.graph_runner.batch_sizes
         if k > 0 and isinstance(drafter, Eagle3Drafter):
-            chain = drafter.chain_graphs[k] = drafter.capture_chain(self.backend, self.graph_runner.batch_sizes, k)
-            memory += chain.memory_bytes
+            chain = drafter.chain_graphs[k] = drafter.capture_chain(self.backend, sizes, k)
+            extend = drafter.extend_graphs[k + 1] = drafter.capture_extend(self.backend, sizes, k + 1)
+            memory += chain.memory_bytes + extend.memory_bytes
         if isinstance(drafter, DFlashDrafter):  # at k = 0 too: the context still takes in each round's token
-            sizes = self.graph_runner.batch_sizes
             extend = drafter.extend_graphs[k + 1] = drafter.capture_extend(self.backend, sizes, k + 1)
             memory += extend.memory_bytes
         return graphs, memory
@@ -203,7 +204,7 @@ class Engine:
             runners.append(self.drafter.graphs)
         if isinstance(self.drafter, Eagle3Drafter):
             runners += self.drafter.chain_graphs.values()
-        if isinstance(self.drafter, DFlashDrafter):
+        if isinstance(self.drafter, (Eagle3Drafter, DFlashDrafter)):
             runners += self.drafter.extend_graphs.values()
         return sum(r.captures for r in runners if r is not None)
 

@@ -213,6 +213,9 @@ class Eagle3Drafter:
         self.graphs: CallGraphs | None = None
         # Greedy chains of k drafts whole, one set per k, captured with state k (`capture_chain`).
         self.chain_graphs: dict[int, CallGraphs] = {}
+        # The draft-extend after a verify of width k + 1, keyed by that width, captured with state k
+        # (`capture_extend`): eagerly it is a dozen operators and a host read a round.
+        self.extend_graphs: dict[int, CallGraphs] = {}
         # Where the head runs on the compiled kernels, a greedy round's extend and chains are one call.
         self.rounds_in_one_call = self.native is not None and self.next_feature.dtype == torch.float32
         # A windowed head makes no entries its window will never reach (`take_held`).
@@ -267,6 +270,7 @@ class Eagle3Drafter:
     def catch_up(self, seqs: Seq[Sequence]) -> None:
         """The held hidden states of `seqs` become entries at their next positions, every
         sequence in one step (the draft-extend); each sequence's last one gives its next draft."""
+        self.graph_extend(seqs)
         extend = self.take_held(seqs)
         if extend is not None:
             self.step(*extend, taps=True)
@@ -295,6 +299,80 @@ class Eagle3Drafter:
             return inputs, torch.zeros(batch_size, hidden, dtype=self.next_feature.dtype, device=device)
 
         return CallGraphs(backend, batch_sizes, padding, self.static_draft)
+
+    def graph_extend(self, seqs: Seq[Sequence]) -> None:
+        """The draft-extend of those `seqs` whose held hidden states are one verify's rows, in one
+        replay of that verify width's graph; the rest (a prompt, rounds at k = 0 since, a batch
+        over every bucket) stay held for the eager `step`."""
+        if not self.extend_graphs:
+            return
+        rows, taps = [], None
+        for seq in seqs:
+            held = self.waiting.get(seq.draft_slot)
+            if held and len(held) == 1 and (taps is None or held[0][0] is taps):
+                taps = held[0][0]
+                rows.append(seq)
+        graphs = self.extend_graphs.get(taps.shape[1]) if taps is not None else None
+        if graphs is None:
+            return
+        width = taps.shape[1]
+        inputs, picked = [], []
+        for seq in rows:
+            _, row, count = self.waiting[seq.draft_slot][0]
+            start = self.cache.lengths[seq.draft_slot]
+            tokens = list(seq.tokens[start + 1 : start + count + 1])  # position p reads token p + 1
+            inputs.append(tokens + [0] * (width - count) + [start, count, seq.draft_slot])
+            picked.append(row)
+        if picked != list(range(taps.shape[0])):
+            taps = taps[torch.tensor(picked, device=taps.device)]
+        out = graphs.run(taps, torch.tensor(inputs, dtype=torch.long, device=taps.device))
+        if out is None:
+            return
+        feature, logits, slots = out
+        self.next_feature.index_copy_(0, slots, feature.to(self.next_feature.dtype))
+        self.next_logits.index_copy_(0, slots, logits.to(self.next_logits.dtype))
+        for seq in rows:
+            _, _, count = self.waiting.pop(seq.draft_slot)[0]
+            self.cache.lengths[seq.draft_slot] += count
+
+    def capture_extend(self, backend: Backend, batch_sizes: Seq[int], width: int) -> CallGraphs:
+        """The draft-extend after a verify of `width` tokens (`static_extend`) captured for each
+        batch size. A padding row keeps none of its positions: it writes only slot 0's scratch."""
+        device = self.next_feature.device
+        dtype = self.target.embed_tokens.weight.dtype  # the target's hidden states
+
+        def padding(batch_size: int) -> tuple[Tensor, Tensor]:
+            taps = torch.zeros(batch_size, width, self.model.fc.in_features, dtype=dtype, device=device)
+            return taps, torch.zeros(batch_size, width + 3, dtype=torch.long, device=device)
+
+        return CallGraphs(backend, batch_sizes, padding, self.static_extend)
+
+    def static_extend(self, taps: Tensor, inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The draft-extend with device ops only, at fixed shapes (what a graph captures): the
+        tapped hidden states `taps` [rows, W, taps * H] beside `inputs` [rows, W + 3] = (the token
+        each position reads, the slot's entries, how many of the W positions become entries, the
+        slot). Positions past a row's count write its slot's scratch position. Returns the output
+        feature and draft-vocabulary logits of each row's last entry, and the rows' slots."""
+        model, cache = self.model, self.cache
+        width = taps.shape[1]
+        tokens, (starts, counts, slots) = inputs[:, :width], inputs[:, width:].unbind(-1)
+        offsets = torch.arange(width, device=inputs.device)[None, :]
+        positions = starts[:, None] + offsets
+        where = torch.where(offsets < counts[:, None], positions, cache.scratch_pos)
+        features = model.features(taps.to(model.fc.weight.dtype))
+        q, k, v = model.qkv(self.target.embed_tokens(tokens).to(features.dtype), features, positions)
+        cache.k[0, slots[:, None], where] = k
+        cache.v[0, slots[:, None], where] = v
+        rows = torch.arange(inputs.shape[0], device=inputs.device)
+        last = (counts - 1).clamp(min=0)  # a padding row keeps nothing: its first position stands in
+        keys, values = cache.k[0, slots].transpose(1, 2), cache.v[0, slots].transpose(1, 2)
+        key_positions = torch.arange(cache.max_seq_len + 1, device=inputs.device)
+        ends = (starts + last)[:, None]
+        mask = visible_keys(ends, key_positions[None, :], model.config.sliding_window)[:, None, None, :]
+        query = q[rows, last][:, :, None]
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+        out = model.finish(attended[:, :, 0], features[rows, last])
+        return out, model.draft_logits(out), slots
 
     def capture_chain(self, backend: Backend, batch_sizes: Seq[int], k: int) -> CallGraphs:
         """A greedy chain of k drafts (`static_chain`) captured for each batch size: a round then
@@ -390,6 +468,7 @@ class Eagle3Drafter:
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
             return proposals
+        self.graph_extend([seqs[i] for i in active])
         extend = self.take_held([seqs[i] for i in active])
         greedy = [i for i in active if seqs[i].params.greedy]
         if self.rounds_in_one_call and extend is not None and len(greedy) == len(extend.selected) == len(active):

@@ -369,9 +369,9 @@ def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures
     buckets = default_batch_sizes(4)
     assert sorted(drafter.graphs.calls) == buckets
     captured = engine.graph_captures
-    # Every state's verify and one shared drafter set; an EAGLE-3 head's chains for each k > 0
-    # too, a DFlash drafter's extend after each state's verify.
-    own = 4 * len(buckets) if "eagle3" in kind else 5 * len(buckets)
+    # Every state's verify and one shared drafter set; an EAGLE-3 head's chains and extends for
+    # each k > 0 too, a DFlash drafter's extend after each state's verify.
+    own = 8 * len(buckets) if "eagle3" in kind else 5 * len(buckets)
     assert captured == 5 * len(buckets) + len(buckets) + own
     assert serve_switching(engine, params, seed=3) == expected
     assert engine.graph_captures == captured
@@ -380,6 +380,8 @@ def test_feature_drafters_draft_through_graphs_losslessly_and_switching_captures
         assert sorted(drafter.chain_graphs) == [1, 2, 3, 5]
         assert sum(g.replays for g in drafter.chain_graphs.values()) > 0
         assert all(g.eager_runs == 0 for g in drafter.chain_graphs.values())
+        assert sorted(drafter.extend_graphs) == [2, 3, 4, 6]
+        assert sum(g.replays for g in drafter.extend_graphs.values()) > 0
     else:  # prompts are extended eagerly, every verify's positions through the graphs
         assert drafter.graphs.replays > 0 and drafter.graphs.eager_runs == 0
         assert sorted(drafter.extend_graphs) == [1, 2, 3, 4, 6]
@@ -481,6 +483,40 @@ def test_a_replayed_dflash_extend_writes_what_the_eager_one_does_and_padding_tou
     assert graphed.extend_graphs[4].replays == 2
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_replayed_eagle3_extend_makes_what_the_eager_one_does_and_padding_touches_no_live_entry(pair, window):
+    """Rows keeping 3 and 1 of a verify's 4 positions, then one row through the bucket of 4: the
+    entries, next features and next logits of the eager extend, and besides the entries only
+    scratch positions written (a windowed head's last entry sees what its eager one does)."""
+    from types import SimpleNamespace
+
+    target, _ = pair
+    graphed, eager = slotted_pair("eagle3", target.model, window)
+    graphed.extend_graphs[4] = graphed.capture_extend(FakeGraphBackend(), [4], 4)
+    size = target.model.config.hidden_size
+    for seed, (slots, counts) in enumerate((([1, 3], [3, 1]), ([2], [4]))):
+        seqs = [SimpleNamespace(draft_slot=slot, tokens=list(range(3, 23))) for slot in slots]
+        generator = torch.Generator().manual_seed(seed)
+        hidden = {i: torch.randn(len(slots), 4, size, generator=generator) for i in graphed.capture_layers}
+        before = graphed.cache.k.clone()
+        starts = [graphed.cache.lengths[s] for s in slots]
+        for drafter in (graphed, eager):
+            drafter.hold(seqs, counts, hidden)
+        graphed.graph_extend(seqs)
+        assert not graphed.waiting and graphed.take_held(seqs) is None
+        eager.step(*eager.take_held(seqs), taps=True)
+        assert [graphed.cache.lengths[s] for s in slots] == [eager.cache.lengths[s] for s in slots]
+        for slot, start, count in zip(slots, starts, counts):
+            for mine, theirs in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
+                torch.testing.assert_close(mine[:, slot, : start + count], theirs[:, slot, : start + count])
+        for mine, theirs in ((graphed.next_feature, eager.next_feature), (graphed.next_logits, eager.next_logits)):
+            torch.testing.assert_close(mine[slots], theirs[slots], atol=1e-5, rtol=1e-5)
+        written = changed_entries(before, graphed.cache.k)
+        entries = {(s, start + j) for s, start, count in zip(slots, starts, counts) for j in range(count)}
+        assert entries <= written <= entries | {(s, graphed.cache.scratch_pos) for s in range(4)}
+    assert graphed.extend_graphs[4].replays == 2
+
+
 def test_the_dflash_block_at_fixed_shapes_sees_within_its_window_what_the_eager_one_does(pair):
     """The block a graph captures attends over each slot's whole cache row, masked: within a
     sliding window, the logits of the block forward over the context alone (PyTorch operators)."""
@@ -519,8 +555,11 @@ def test_the_feature_drafters_captured_bodies_read_nothing_back_to_the_host():
         (block_logits,) = dflash.static_block(torch.zeros(2, block + 2, dtype=torch.long, device="meta"))
         taps = torch.zeros(2, 4, len(dflash.capture_layers) * model.config.hidden_size, device="meta")
         (where,) = dflash.static_extend(taps, torch.zeros(2, 3, dtype=torch.long, device="meta"))
+        taps = torch.zeros(2, 4, eagle3.model.fc.in_features, device="meta")
+        extended, _, _ = eagle3.static_extend(taps, torch.zeros(2, 7, dtype=torch.long, device="meta"))
     assert features.shape == (2, model.config.hidden_size) and logits.shape == (2, 64)
     assert block_logits.shape == (2, block - 1, 64) and where.shape == (2, 4)
+    assert extended.shape == (2, model.config.hidden_size)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
@@ -602,7 +641,8 @@ def test_cuda_graphs_greedy_equals_eager_for_every_k(default_pair_cuda, batch_si
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_cuda_feature_drafters_through_graphs_equal_eager(default_pair_cuda, kind):
     """The shipped EAGLE-3 head and DFlash drafter: chain steps or blocks replayed from graphs
-    (k switched every round) give the eager engine's output."""
+    (k switched every round) give the eager engine's output, past the drafters' 256-position
+    window (200-token prompts and 96 new tokens)."""
     from engine.dflash import DFlashDrafter, load_dflash
     from engine.eagle3 import Eagle3Drafter, load_eagle3
 
@@ -615,7 +655,7 @@ def test_cuda_feature_drafters_through_graphs_equal_eager(default_pair_cuda, kin
         else:
             drafter = DFlashDrafter(load_dflash(models / "dflash", target.model), target.model, 4, 512)
         engine = Engine(target, drafter, 4, 512, CUDA_STEPS, graphs=graphs)
-        requests = code_requests(target, 4, 48)
+        requests = code_requests(target, 4, 96)
         outputs = {r.id: [] for r in requests}
         for request in requests:
             engine.add_request(request)
@@ -625,8 +665,9 @@ def test_cuda_feature_drafters_through_graphs_equal_eager(default_pair_cuda, kin
             for out in engine.step().outputs:
                 outputs[out.request_id].extend(out.new_tokens)
         results.append([outputs[r.id] for r in requests])
-        if graphs:
-            assert drafter.graphs is not None and drafter.graphs.replays > 0
+        if graphs:  # an EAGLE-3 head's greedy chains and extends replay; its step graphs serve sampled ones
+            replayed = drafter.graphs.replays if kind == "dflash" else drafter.chain_graphs[5].replays
+            assert replayed > 0 and sum(g.replays for g in drafter.extend_graphs.values()) > 0
     assert results[1] == results[0]
 
 
