@@ -456,42 +456,16 @@ def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touc
     assert graphed.chain_graphs[5].replays == 2
 
 
-def test_a_replayed_dflash_extend_writes_what_the_eager_one_does_and_padding_touches_no_live_entry(pair):
+@pytest.mark.parametrize("kind, window", [("dflash", None), ("eagle3", None), ("eagle3", 4)])
+def test_a_replayed_extend_makes_what_the_eager_one_does_and_padding_touches_no_live_entry(pair, kind, window):
     """Rows keeping 3 and 1 of a verify's 4 positions, then one row through the bucket of 4: the
-    context keys and values the eager extend writes, and besides them only scratch positions."""
+    entries the eager extend makes (and for an EAGLE-3 head its next features and logits, which
+    a windowed head's last entry computes from the keys its eager one sees), and besides the
+    entries only scratch positions written."""
     from types import SimpleNamespace
 
     target, _ = pair
-    graphed, eager = slotted_pair("dflash", target.model)
-    graphed.extend_graphs[4] = graphed.capture_extend(FakeGraphBackend(), [4], 4)
-    size = target.model.config.hidden_size
-    for seed, (slots, counts) in enumerate((([1, 3], [3, 1]), ([2], [4]))):
-        seqs = [SimpleNamespace(draft_slot=slot) for slot in slots]
-        generator = torch.Generator().manual_seed(seed)
-        hidden = {i: torch.randn(len(slots), 4, size, generator=generator) for i in graphed.capture_layers}
-        before = graphed.cache.k.clone()
-        starts = [graphed.cache.lengths[s] for s in slots]
-        for drafter in (graphed, eager):
-            drafter._extend(seqs, counts, hidden)
-        assert [graphed.cache.lengths[s] for s in slots] == [eager.cache.lengths[s] for s in slots]
-        for slot, start, count in zip(slots, starts, counts):
-            for mine, theirs in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
-                torch.testing.assert_close(mine[:, slot, : start + count], theirs[:, slot, : start + count])
-        written = changed_entries(before, graphed.cache.k)
-        entries = {(s, start + j) for s, start, count in zip(slots, starts, counts) for j in range(count)}
-        assert entries <= written <= entries | {(s, graphed.cache.scratch_pos) for s in range(4)}
-    assert graphed.extend_graphs[4].replays == 2
-
-
-@pytest.mark.parametrize("window", [None, 4])
-def test_a_replayed_eagle3_extend_makes_what_the_eager_one_does_and_padding_touches_no_live_entry(pair, window):
-    """Rows keeping 3 and 1 of a verify's 4 positions, then one row through the bucket of 4: the
-    entries, next features and next logits of the eager extend, and besides the entries only
-    scratch positions written (a windowed head's last entry sees what its eager one does)."""
-    from types import SimpleNamespace
-
-    target, _ = pair
-    graphed, eager = slotted_pair("eagle3", target.model, window)
+    graphed, eager = slotted_pair(kind, target.model, window)
     graphed.extend_graphs[4] = graphed.capture_extend(FakeGraphBackend(), [4], 4)
     size = target.model.config.hidden_size
     for seed, (slots, counts) in enumerate((([1, 3], [3, 1]), ([2], [4]))):
@@ -500,17 +474,21 @@ def test_a_replayed_eagle3_extend_makes_what_the_eager_one_does_and_padding_touc
         hidden = {i: torch.randn(len(slots), 4, size, generator=generator) for i in graphed.capture_layers}
         before = graphed.cache.k.clone()
         starts = [graphed.cache.lengths[s] for s in slots]
-        for drafter in (graphed, eager):
-            drafter.hold(seqs, counts, hidden)
-        graphed.graph_extend(seqs)
-        assert not graphed.waiting and graphed.take_held(seqs) is None
-        eager.step(*eager.take_held(seqs), taps=True)
+        if kind == "dflash":
+            for drafter in (graphed, eager):
+                drafter._extend(seqs, counts, hidden)
+        else:  # the head holds a verify's states until it next drafts
+            for drafter in (graphed, eager):
+                drafter.hold(seqs, counts, hidden)
+            graphed.graph_extend(seqs)
+            assert not graphed.waiting
+            eager.step(*eager.take_held(seqs), taps=True)
+            for mine, theirs in ((graphed.next_feature, eager.next_feature), (graphed.next_logits, eager.next_logits)):
+                torch.testing.assert_close(mine[slots], theirs[slots], atol=1e-5, rtol=1e-5)
         assert [graphed.cache.lengths[s] for s in slots] == [eager.cache.lengths[s] for s in slots]
         for slot, start, count in zip(slots, starts, counts):
             for mine, theirs in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
                 torch.testing.assert_close(mine[:, slot, : start + count], theirs[:, slot, : start + count])
-        for mine, theirs in ((graphed.next_feature, eager.next_feature), (graphed.next_logits, eager.next_logits)):
-            torch.testing.assert_close(mine[slots], theirs[slots], atol=1e-5, rtol=1e-5)
         written = changed_entries(before, graphed.cache.k)
         entries = {(s, start + j) for s, start, count in zip(slots, starts, counts) for j in range(count)}
         assert entries <= written <= entries | {(s, graphed.cache.scratch_pos) for s in range(4)}
