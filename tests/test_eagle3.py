@@ -660,6 +660,8 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
         (["--greedy-weight", "1.5"], "--greedy-weight must be between 0 and 1, not 1.5"),
         (["--time-budget", "-5"], "--time-budget must be 0 (train --steps) or a number of seconds, not -5.0"),
         (["--intermediate-size", "-1"], "--intermediate-size must be positive (0: the target's), not -1"),
+        (["--sampled-share", "2"], "--sampled-share must be between 0 and 1, not 2.0"),
+        (["--sample-temperature", "0"], "--sample-temperature must be above 0, not 0.0"),
     ],
 )
 def test_the_training_script_names_an_option_out_of_range(tmp_path, option, named):
@@ -724,10 +726,13 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     command += ["--time-budget", "2", "--intermediate-size", str(width), "--unroll", "3", "--seq-len", "40"]
     command += ["--prompt-len", "16", "--regenerate", "12", "--chains", "8", "--batch", "4", "--prompts", "0"]
     command += ["--data", str(tmp_path / "data.txt"), "--work", str(tmp_path / "work_wide")]
+    command += ["--sampled-share", "0.5"]  # half its continuations sampled at the default temperature
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     wide_report = json.loads((wide / "training_report.json").read_text())
     assert wide_report["time_budget"] == 2 and wide_report["steps"] > 0
+    assert wide_report["sampled_share"] == 0.5 and wide_report["sample_temperature"] == 0.8
+    assert len(torch.load(tmp_path / "work_wide" / "sampled-0.8.pt")) == 6
     assert 2 <= wide_report["wall_seconds_this_run"] < 60
     assert load_eagle3(wide, target.model).config.intermediate_size == width
 
@@ -751,22 +756,29 @@ def test_a_head_widened_for_training_starts_as_the_narrower_one(pair):
         widen_mlp(narrow.state_dict(), Eagle3Model(replace(narrow.config, intermediate_size=64), narrow.taps))
 
 
-def test_regenerated_continuations_are_the_targets_greedy_output_and_resume(pair, tmp_path):
+def test_regenerated_continuations_are_the_targets_own_output_and_resume(pair, tmp_path):
     """The training data the scripts regenerate: each window followed by what the target itself
-    decodes greedily, many windows decoded in step; a second call adds to the first's."""
+    decodes greedily, many windows decoded in step; a second call adds to the first's. Sampled
+    continuations are the seed's own, and near temperature 0 the greedy ones."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from train_dflash import greedy_continuations
+    from train_dflash import target_continuations
 
     target, _ = pair
     data = torch.tensor([t for prompt in PROMPTS for t in prompt] * 3)
     path = tmp_path / "greedy.pt"
-    first = greedy_continuations(target.path, data, 5, 6, 9, path, seed=1, chunk=2)
+    first = target_continuations(target.path, data, 5, 6, 9, path, seed=1, chunk=2)
     assert first.shape == (5, 15)
     params = SamplingParams(max_tokens=9, ignore_eos=True)
     expected = generate(target, [row[:6].tolist() for row in first], params)
     assert [row[6:].tolist() for row in first] == [c.tokens for c in expected]
-    more = greedy_continuations(target.path, data, 7, 6, 9, path, seed=1, chunk=4)
+    more = target_continuations(target.path, data, 7, 6, 9, path, seed=1, chunk=4)
     assert more.shape == (7, 15) and torch.equal(more[:5], first)
+
+    sampled = [target_continuations(target.path, data, 5, 6, 9, tmp_path / f"{i}.pt", 1, temperature=1.0) for i in "ab"]
+    assert torch.equal(sampled[0], sampled[1]) and torch.equal(sampled[0][:, :6], first[:, :6])
+    assert not torch.equal(sampled[0], first)
+    cold = target_continuations(target.path, data, 5, 6, 9, tmp_path / "cold.pt", 1, temperature=1e-4)
+    assert torch.equal(cold, first)
 
 
 def test_training_files_leave_out_the_folders_named(tmp_path):

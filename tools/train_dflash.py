@@ -206,7 +206,7 @@ def block_loss(
 
 
 @torch.inference_mode()
-def greedy_continuations(
+def target_continuations(
     target_path: Path,
     data: torch.Tensor,
     count: int,
@@ -216,30 +216,36 @@ def greedy_continuations(
     seed: int,
     device: str = "cpu",
     chunk: int = 64,
+    temperature: float = 0.0,
 ) -> torch.Tensor:
-    """`count` sequences of `prompt_len` training tokens each followed by the target's own greedy
-    continuation of `new_tokens`: the text a drafter meets when the target serves greedily (the
-    published recipe regenerates its responses with the target). Decoded `chunk` sequences at a
-    time on `device` and kept in `path` chunk by chunk, so an interrupted run picks up where it
-    stopped."""
+    """`count` sequences of `prompt_len` training tokens each followed by the target's own
+    continuation of `new_tokens`, greedy or sampled at `temperature`: the text a drafter meets
+    when the target serves (the published recipe regenerates its responses with the target).
+    Decoded `chunk` sequences at a time on `device` and kept in `path` chunk by chunk, so an
+    interrupted run picks up where it stopped."""
     done = torch.load(path) if path.exists() else torch.empty(0, prompt_len + new_tokens, dtype=torch.long)
     if len(done) >= count:
         return done[:count]
     served = load_checkpoint(target_path, device)  # as served: the compiled forward on a CPU
     model = served.model
     rng = random.Random(seed * 7919 + len(done))
+    draws = torch.Generator().manual_seed(seed * 7919 + len(done))
     started, before = time.time(), len(done)
     while len(done) < count:
         rows = min(chunk, count - len(done))
         starts = [rng.randrange(0, len(data) - prompt_len) for _ in range(rows)]
         prompts = torch.stack([data[s : s + prompt_len] for s in starts])
-        # Greedy to a fixed length: the whole chunk decodes in step, one argmax a step for all of it.
+        # To a fixed length: the whole chunk decodes in step, one argmax or draw a step for all of it.
         cache = model.new_cache(rows, prompt_len + new_tokens)
         slots = [cache.allocate() for _ in range(rows)]
         pending, generated = prompts.tolist(), []
         for _ in range(new_tokens):
-            logits = model(model.batch(cache, slots, pending), cache, last_only=True).logits[:, -1]
-            pending = logits.argmax(dim=-1, keepdim=True).tolist()
+            logits = model(model.batch(cache, slots, pending), cache, last_only=True).logits[:, -1].float()
+            if temperature > 0:
+                probs = torch.softmax(logits.cpu() / temperature, dim=-1)
+                pending = torch.multinomial(probs, 1, generator=draws).tolist()
+            else:
+                pending = logits.argmax(dim=-1, keepdim=True).tolist()
             generated.append(pending)
         done = torch.cat((done, torch.cat((prompts, torch.tensor(generated).squeeze(-1).T), dim=1)))
         torch.save(done, path)
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.regenerate:
         if not 0 < args.prompt_len < args.seq_len - args.block:
             raise SystemExit(f"--prompt-len must be between 1 and --seq-len - --block ({args.seq_len - args.block})")
-        sequences = greedy_continuations(
+        sequences = target_continuations(
             args.target,
             data,
             args.regenerate,

@@ -3,7 +3,8 @@
     python tools/train_eagle3.py TARGET OUT [--steps 2000] [--unroll 7] [--decay 0.8] [--batch 8]
         [--seq-len 256] [--chains 48] [--lr 6e-4] [--greedy-weight 0] [--taps L1 L2 L3] [--draft-vocab N]
         [--work DIR] [--seed 0] [--device cpu] [--time-budget SECONDS] [--intermediate-size N]
-        [--regenerate N [--prompt-len 96] [--regenerate-chunk 64]] [--init HEAD]
+        [--regenerate N [--prompt-len 96] [--regenerate-chunk 64] [--sampled-share 0 [--sample-temperature 0.8]]]
+        [--init HEAD]
         [--data FILE_OR_DIR ... [--exclude FOLDER_NAME ...]] [--held-out FILE_OR_DIR ...]
 
 The published recipe, small. The head reads the target's outputs at three layers (by default
@@ -16,7 +17,9 @@ times that plus W times the cross-entropy of its most likely token), weighted de
 schedule. The target's features are computed on the fly (for a target this small that is cheaper
 than reading them back from disk). With --regenerate N the data are N windows of --prompt-len
 training tokens each followed by the target's own greedy continuation to --seq-len (what the head
-meets when the target serves greedily), and chains start in the continuation. With --draft-vocab N
+meets when the target serves greedily), and chains start in the continuation; with
+--sampled-share S a share S of them are continued by sampling at --sample-temperature instead (what
+it meets when requests sample: a head trained on greedy text alone keeps fewer drafts there). With --draft-vocab N
 the head drafts only the N tokens most frequent in the training data (a smaller LM head, so a
 cheaper step; d2t and t2d map them, as the published heads do), and the target's distribution is
 renormalized over them; --init from a head over the whole vocabulary keeps its rows for them, and
@@ -49,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_dflash import (  # noqa: E402  (tools/, beside this script)
     frequent_tokens,
-    greedy_continuations,
     held_out_acceptance,
     lr_at,
     served_length,
+    target_continuations,
     training_batch,
     training_data,
 )
@@ -218,12 +221,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--intermediate-size", type=int, default=0, help="the head's MLP width (default: the target's)")
     parser.add_argument("--regenerate-chunk", type=int, default=64, help="sequences regenerated at a time")
+    parser.add_argument(
+        "--sampled-share",
+        type=float,
+        default=0.0,
+        help="share of the --regenerate continuations sampled at --sample-temperature (the rest greedy)",
+    )
+    parser.add_argument("--sample-temperature", type=float, default=0.8)
     parser.add_argument("--exclude", nargs="*", default=[], help="folder names left out of --data (vendored copies)")
     args = parser.parse_args(argv)
     if not 0 <= args.greedy_weight <= 1:
         parser.error(f"--greedy-weight must be between 0 and 1, not {args.greedy_weight}")
     if args.time_budget < 0:
         parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
+    if not 0 <= args.sampled_share <= 1:
+        parser.error(f"--sampled-share must be between 0 and 1, not {args.sampled_share}")
+    if args.sample_temperature <= 0:
+        parser.error(f"--sample-temperature must be above 0, not {args.sample_temperature}")
     if args.intermediate_size < 0:
         parser.error(f"--intermediate-size must be positive (0: the target's), not {args.intermediate_size}")
 
@@ -240,10 +254,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"--prompt-len must be between 1 and {args.seq_len - args.unroll - 2} (--seq-len - --unroll - 2)"
             )
         new_tokens = args.seq_len - args.prompt_len
-        sequences = greedy_continuations(
+        sampled = round(args.regenerate * args.sampled_share)
+        sequences = target_continuations(
             args.target,
             data,
-            args.regenerate,
+            args.regenerate - sampled,
             args.prompt_len,
             new_tokens,
             work / "greedy.pt",
@@ -251,6 +266,20 @@ def main(argv: list[str] | None = None) -> None:
             args.device,
             args.regenerate_chunk,
         )
+        if sampled:
+            more = target_continuations(
+                args.target,
+                data,
+                sampled,
+                args.prompt_len,
+                new_tokens,
+                work / f"sampled-{args.sample_temperature:g}.pt",
+                args.seed + 1,  # other windows than the greedy ones
+                args.device,
+                args.regenerate_chunk,
+                args.sample_temperature,
+            )
+            sequences = torch.cat((sequences, more))
     head = Eagle3Model(config, config.target_layer_ids)
     if config.draft_vocab_size < config.vocab_size:
         ids = frequent_tokens(sequences if args.regenerate else data, config.draft_vocab_size)
@@ -348,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         "taps": list(config.target_layer_ids),
         "training_tokens": len(data),
         "regenerated_sequences": args.regenerate,
+        "sampled_share": args.sampled_share,
+        "sample_temperature": args.sample_temperature if args.sampled_share else None,
         "prompt_len": args.prompt_len if args.regenerate else None,
         "init": str(args.init) if args.init else None,
         "first_loss": losses[0] if losses else None,
