@@ -311,9 +311,10 @@ class DFlashDrafter:
             if seq.params.greedy:
                 proposals[i] = Proposal(choice[row][:k], confidence=confidence[row][:k])
             else:
-                q = target_probs(self.model.full_vocabulary(logits[row, :k]), seq.params)
-                tokens = [sample(q[j], seq.generator) for j in range(k)]
-                proposals[i] = Proposal(tokens, q, q.amax(dim=-1).tolist())
+                q = target_probs(logits[row, :k], seq.params)
+                tokens = [int(self.draft_ids[sample(q[j], seq.generator)]) for j in range(k)]
+                full = self.model.full_probabilities(q, self.draft_ids)
+                proposals[i] = Proposal(tokens, full, q.amax(dim=-1).tolist())
         return proposals
 
     def block_width(self, drafts: int) -> int:

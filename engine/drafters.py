@@ -97,6 +97,14 @@ class DraftVocabulary:
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy(-1, self.draft_to_target(), logits)
 
+    def full_probabilities(self, probs: Tensor, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary probabilities placed in the target's vocabulary (`draft_ids`, the
+        drafter's `draft_to_target()`), where the rejection rule reads them; zero outside. A
+        draft is drawn over the draft vocabulary, a quarter of the target's or less."""
+        if probs.shape[-1] == self.config.vocab_size:
+            return probs
+        return probs.new_zeros((*probs.shape[:-1], self.config.vocab_size)).index_copy_(-1, draft_ids, probs)
+
 
 class Drafter(Protocol):
     name: str

@@ -551,9 +551,9 @@ class Eagle3Drafter:
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if not seq.params.greedy:
-                    q = target_probs(self.model.full_vocabulary(logits[row]), seq.params)
-                    tokens[row] = sample(q, seq.generator)
-                    probs[i].append(q)
+                    q = target_probs(logits[row], seq.params)
+                    tokens[row] = int(self.draft_ids[sample(q, seq.generator)])
+                    probs[i].append(self.model.full_probabilities(q, self.draft_ids))
                 proposals[i].tokens.append(tokens[row])
             # Sequences that want more drafts, and have room for the chain's next entry.
             going = [

@@ -427,14 +427,15 @@ def test_a_greedy_round_in_one_call_drafts_what_the_extend_and_the_step_chain_do
     assert torch.equal(fused_entries, apart_entries)
 
 
-@pytest.mark.parametrize("verification", ["block", "token"])
-def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification):
+@pytest.mark.parametrize("verification, draft_vocab", [("block", None), ("token", None), ("block", 4)])
+def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification, draft_vocab):
+    """Whatever the rejection rule, and with drafts drawn from a reduced draft vocabulary too."""
     target, _ = tiny_vocab_pair
     prompt = tuple(range(8)) * 2
     base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
     with torch.inference_mode():
         marginals = exact_marginals(target, prompt, base, 3)
-    drafter = Eagle3Drafter(head_for(target.model), target.model, 16, 32)
+    drafter = Eagle3Drafter(head_for(target.model, draft_vocab), target.model, 16, 32)
     engine = Engine(target, drafter, 16, 32, [2], verification=verification)
     requests = [
         Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
