@@ -40,7 +40,7 @@ from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side, visible_keys
-from engine.native import NativeEagle3
+from engine.native import NativeEagle3, Sampling
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 
@@ -218,6 +218,9 @@ class Eagle3Drafter:
         self.extend_graphs: dict[int, CallGraphs] = {}
         # Where the head runs on the compiled kernels, a greedy round's extend and chains are one call.
         self.rounds_in_one_call = self.native is not None and self.next_feature.dtype == torch.float32
+        # Sampled chains drawn in the kernels too (a step from Python costs about as much as the
+        # step itself); a request with top-k keeps the step-by-step path.
+        self.sampled_in_kernels = self.native is not None
         # A windowed head makes no entries its window will never reach (`take_held`).
         self.skip_before_window = True
 
@@ -483,6 +486,11 @@ class Eagle3Drafter:
             active = [i for i in active if not seqs[i].params.greedy]
         elif greedy and self.graph_chains(seqs, ks, greedy, proposals):
             active = [i for i in active if not seqs[i].params.greedy]
+        if self.sampled_in_kernels and self.graphs is None:
+            drawn = [i for i in active if not seqs[i].params.greedy and not seqs[i].params.top_k]
+            if drawn:
+                self.native_sampled_chains(seqs, ks, drawn, proposals)
+                active = [i for i in active if i not in drawn]
         if active:
             self.chains(seqs, ks, active, proposals)
         return proposals
@@ -523,6 +531,35 @@ class Eagle3Drafter:
         drafts = self.native.chain(self.cache, slots, starts, steps, first, self.next_feature[slots], self.draft_ids)
         for i, tokens in zip(rows, drafts):
             proposals[i].tokens = tokens
+
+    def native_sampled_chains(
+        self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]
+    ) -> None:
+        """Sampled chains for seqs[rows] in one call to the compiled kernels: each row's first
+        draft drawn here from its slot's next logits, the rest there, every draw from the row's
+        own generator, with the probabilities the rejection rule reads."""
+        assert self.native is not None
+        slots = [seqs[i].draft_slot for i in rows]
+        starts = [self.cache.lengths[s] for s in slots]
+        steps = self.chain_steps(ks, rows, starts)
+        width = max(steps) + 1
+        probs = torch.zeros(len(rows), width, self.model.config.draft_vocab_size)
+        uniforms = torch.zeros(len(rows), width, dtype=torch.float64)
+        logits, first = self.next_logits[slots].float(), []
+        for row, (i, n) in enumerate(zip(rows, steps)):
+            seq = seqs[i]
+            probs[row, 0] = target_probs(logits[row], seq.params)
+            first.append(int(self.draft_ids[sample(probs[row, 0], seq.generator)]))
+            uniforms[row, 1 : n + 1] = torch.rand(n, generator=seq.generator, dtype=torch.float64)
+        params = [seqs[i].params for i in rows]
+        inv_temperature = torch.tensor([1 / p.temperature for p in params], dtype=torch.float32)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        sampling = Sampling(inv_temperature, top_p, uniforms, probs)
+        features = self.next_feature[slots]
+        drafts = self.native.chain(self.cache, slots, starts, steps, first, features, self.draft_ids, sampling)
+        for row, (i, tokens) in enumerate(zip(rows, drafts)):
+            proposals[i].tokens = tokens
+            proposals[i].probs = self.model.full_probabilities(probs[row, : len(tokens)], self.draft_ids)
 
     def graph_chains(self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]) -> bool:
         """Greedy chains for seqs[rows] in one replay of the longest one's chain graph, each row

@@ -742,26 +742,60 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, int norm_befor
     return 0;
 }
 
-/* Greedy EAGLE-3 chains for `rows` sequences in one call: what a chain step by step from Python
- * would draft, without a return to Python between steps. Row r's chain starts from its first
- * draft, tokens[r * width], and its last verified output feature, features[r] ([rows, hidden],
- * overwritten); step j writes its entry at start[r] + j and drafts tokens[r * width + j + 1] (the
- * argmax of its logits, the first of equals as torch.argmax, mapped by draft_to_target), for j <
- * steps[r]. Rows that are done drop out of the later steps. */
+int adaspec_nucleus(const float *probs, int rows, int n, float top_p, float *out);
+
+/* A sampled draft (engine/sampling.py `target_probs` without top-k, then `sample`): `probs`
+ * becomes softmax(logits * inv_temperature) kept on its top_p nucleus, and the draft is the first
+ * index whose cumulative probability exceeds u times the total (a zero-probability one never
+ * does). `scratch` holds n floats. Returns the index, or -1 when memory could not be had. */
+static int draw(const float *logits, int n, float inv_temperature, float top_p, double u, float *probs,
+                float *scratch) {
+    float largest = logits[0] * inv_temperature;
+    for (int i = 1; i < n; i++) largest = logits[i] * inv_temperature > largest ? logits[i] * inv_temperature : largest;
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += probs[i] = expf(logits[i] * inv_temperature - largest);
+    for (int i = 0; i < n; i++) probs[i] = (float)(probs[i] / sum);
+    if (top_p < 1.0f) {
+        if (adaspec_nucleus(probs, 1, n, top_p, scratch)) return -1;
+        memcpy(probs, scratch, sizeof(float) * (size_t)n);
+    }
+    double total = 0.0, seen = 0.0;
+    for (int i = 0; i < n; i++) total += probs[i];
+    const double threshold = u * total;
+    int last = 0;
+    for (int i = 0; i < n; i++) {
+        if (probs[i] > 0.0f) last = i;
+        seen += probs[i];
+        if (seen > threshold) return i;
+    }
+    return last; /* the draw rounded up to the total */
+}
+
+/* EAGLE-3 chains for `rows` sequences in one call: what a chain step by step from Python would
+ * draft, without a return to Python between steps. Row r's chain starts from its first draft,
+ * tokens[r * width], and its last verified output feature, features[r] ([rows, hidden],
+ * overwritten); step j writes its entry at start[r] + j and drafts tokens[r * width + j + 1], for
+ * j < steps[r]: the argmax of its logits (the first of equals, as torch.argmax), or with
+ * `uniforms` ([rows, width]) a draw at uniforms[r * width + j + 1] from the row's
+ * inv_temperature[r] and top_p[r] (`draw`), its probabilities written to probs[(r * width + j +
+ * 1) * vocab ..]; mapped by draft_to_target. Rows that are done drop out of the later steps. */
 int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_before_residual, const Cache *cache,
                          int rows, const int32_t *slot, const int32_t *start, const int32_t *steps,
-                         const int64_t *draft_to_target, float *features, int64_t *tokens, int width, int threads) {
+                         const int64_t *draft_to_target, float *features, int64_t *tokens, int width,
+                         const float *inv_temperature, const float *top_p, const double *uniforms, float *probs,
+                         int threads) {
     const int hidden = m->hidden, vocab = m->vocab;
     int longest = 0;
     for (int r = 0; r < rows; r++)
         if (steps[r] > longest) longest = steps[r];
-    float *arena = malloc(sizeof(float) * (size_t)rows * (2 * hidden + vocab));
+    float *arena = malloc(sizeof(float) * ((size_t)rows * (2 * hidden + vocab) + (size_t)vocab));
     int32_t *meta = malloc(sizeof(int32_t) * (size_t)rows * 4);
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)rows);
     if (!arena || !meta || !ids) {
         free(arena), free(meta), free(ids);
         return -1;
     }
+    float *scratch = arena + (int64_t)rows * (2 * hidden + vocab);
     float *in = arena, *out = arena + (int64_t)rows * hidden, *logits = out + (int64_t)rows * hidden;
     int32_t *row_of = meta, *slots = meta + rows, *positions = meta + 2 * rows, *selected = meta + 3 * rows;
     int failed = 0;
@@ -777,8 +811,17 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
         failed = adaspec_eagle3_step(m, hidden_norm, norm_before_residual, NULL, cache, n, ids, in, slots, positions,
                                      n, selected, out, logits, threads);
         for (int s = 0; s < n && !failed; s++) {
-            tokens[(int64_t)row_of[s] * width + j + 1] = draft_to_target[argmax(logits + (int64_t)s * vocab, vocab)];
-            memcpy(features + (int64_t)row_of[s] * hidden, out + (int64_t)s * hidden, sizeof(float) * (size_t)hidden);
+            const int r = row_of[s];
+            const int64_t at = (int64_t)r * width + j + 1;
+            int pick = uniforms ? draw(logits + (int64_t)s * vocab, vocab, inv_temperature[r], top_p[r], uniforms[at],
+                                       probs + at * vocab, scratch)
+                                : argmax(logits + (int64_t)s * vocab, vocab);
+            if (pick < 0) {
+                failed = -1;
+                break;
+            }
+            tokens[at] = draft_to_target[pick];
+            memcpy(features + (int64_t)r * hidden, out + (int64_t)s * hidden, sizeof(float) * (size_t)hidden);
         }
     }
     free(arena), free(meta), free(ids);
@@ -816,7 +859,7 @@ int adaspec_eagle3_round(const Model *m, const float *hidden_norm, int norm_befo
     }
     if (!failed)
         failed = adaspec_eagle3_chain(m, hidden_norm, norm_before_residual, cache, rows, row_slot, start, steps,
-                                      draft_to_target, features, tokens, width, threads);
+                                      draft_to_target, features, tokens, width, NULL, NULL, NULL, NULL, threads);
     free(arena), free(meta);
     return failed;
 }

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,6 +55,17 @@ def _int32_lists(*lists: Sequence[int]) -> tuple[ctypes.Array, list[Any]]:
         pointers.append(ctypes.cast(address, ctypes.POINTER(_i32)))
         address += ctypes.sizeof(_i32) * len(values)
     return buffer, pointers
+
+
+class Sampling(NamedTuple):
+    """How a compiled chain draws its drafts, row by row: 1 / temperature and top_p [rows]
+    (float32), a uniform draw per draft [rows, width] (float64), and where each draft's
+    probabilities go [rows, width, vocab] (float32, contiguous)."""
+
+    inv_temperature: Tensor
+    top_p: Tensor
+    uniforms: Tensor
+    probs: Tensor
 
 
 class _Linear(ctypes.Structure):
@@ -255,6 +266,10 @@ def _load(path: Path) -> ctypes.CDLL:
         _ptr,
         _ptr,
         ctypes.c_int,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
         ctypes.c_int,
     ]
     lib.adaspec_eagle3_chain.restype = ctypes.c_int
@@ -758,16 +773,23 @@ class NativeEagle3:
         first: list[int],
         features: Tensor,
         draft_ids: Tensor,
+        sampling: Sampling | None = None,
     ) -> list[list[int]]:
-        """Greedy chains in one call: row r drafts `steps[r]` tokens after its first draft `first[r]`,
+        """Chains in one call: row r drafts `steps[r]` tokens after its first draft `first[r]`,
         from its last verified output feature (`features` [rows, hidden]), its entries written at
-        starts[r] onwards, each draft id mapped to a target id by `draft_ids` (int64). Each row's
+        starts[r] onwards, each draft id mapped to a target id by `draft_ids` (int64). Greedy, or
+        drawn as `sampling` says (its probs filled in past each row's first draft). Each row's
         drafts, its first included."""
         rows, width = len(slots), max(steps) + 1
         tokens = torch.zeros(rows, width, dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
         features = features.float().contiguous().clone()  # the kernel overwrites it step by step
         meta, per_row = _int32_lists(slots, starts, steps)
+        drawn = (0, 0, 0, 0)
+        if sampling is not None:
+            assert sampling.uniforms.shape == (rows, width) and sampling.probs.shape[:2] == (rows, width)
+            parts = (sampling.inv_temperature, sampling.top_p, sampling.uniforms, sampling.probs)
+            drawn = tuple(part.data_ptr() for part in parts)
         failed = self.lib.adaspec_eagle3_chain(
             ctypes.byref(self.model),
             self.hidden_norm,
@@ -779,6 +801,7 @@ class NativeEagle3:
             features.data_ptr(),
             tokens.data_ptr(),
             width,
+            *drawn,
             torch.get_num_threads(),
         )
         if failed:

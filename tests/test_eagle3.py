@@ -387,6 +387,36 @@ def test_the_compiled_greedy_chain_drafts_what_the_chain_step_by_step_does(pair,
         assert torch.allclose(drafter.cache.k[0, seq.draft_slot], before, atol=1e-5)
 
 
+def test_the_compiled_sampled_chain_draws_what_the_chain_step_by_step_does(pair, trained_head):
+    """Sampled chains run whole in the kernels too: from the same generators, rows of different
+    k, temperature and top-p draw the tokens the chain a step at a time draws, with the same
+    probabilities for the rejection rule."""
+    target, _ = pair
+    if target.model.native is None:
+        pytest.skip("no compiled kernels here")
+    prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    params = [SamplingParams(temperature=t, top_p=p) for t, p in ((1.0, 1.0), (0.7, 0.9), (1.3, 0.5))]
+    ks, drafted = [7, 4, 1], []
+    for in_kernels in (True, False):
+        drafter = Eagle3Drafter(trained_head, target.model, len(prompts), MAX_SEQ_LEN)
+        cache = target.model.new_cache(len(prompts), MAX_SEQ_LEN)
+        slots = [cache.allocate() for _ in prompts]
+        batch = target.model.batch(cache, slots, [p[:-1] for p in prompts])
+        seqs = [
+            Sequence(Request(tuple(p), q), slot=i, generator=torch.Generator().manual_seed(i), tokens=list(p))
+            for i, (p, q) in enumerate(zip(prompts, params))
+        ]
+        drafter.admit(seqs, target.model(batch, cache, capture=drafter.capture_layers).hidden)
+        drafter.catch_up(seqs)
+        drafter.sampled_in_kernels = in_kernels
+        drafted.append(drafter.propose(seqs, ks))
+    compiled, stepped = drafted
+    assert [len(p.tokens) for p in compiled] == ks
+    assert [p.tokens for p in compiled] == [p.tokens for p in stepped]
+    for mine, theirs in zip(compiled, stepped):
+        torch.testing.assert_close(mine.probs, theirs.probs, atol=1e-5, rtol=1e-4)
+
+
 def test_a_greedy_round_in_one_call_drafts_what_the_extend_and_the_step_chain_do(pair, trained_head):
     """On the compiled kernels a greedy round's draft-extend and chains are one call: rows with
     different k draft exactly the tokens of the extend and the chains called apart (and of the
@@ -427,15 +457,23 @@ def test_a_greedy_round_in_one_call_drafts_what_the_extend_and_the_step_chain_do
     assert torch.equal(fused_entries, apart_entries)
 
 
-@pytest.mark.parametrize("verification, draft_vocab", [("block", None), ("token", None), ("block", 4)])
-def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification, draft_vocab):
-    """Whatever the rejection rule, and with drafts drawn from a reduced draft vocabulary too."""
+@pytest.mark.parametrize(
+    "verification, draft_vocab, in_kernels",
+    [("block", None, True), ("token", None, True), ("block", 4, True), ("block", None, False), ("token", 4, False)],
+)
+def test_sampling_keeps_the_target_distribution(tiny_vocab_pair, verification, draft_vocab, in_kernels):
+    """Whatever the rejection rule, with drafts drawn from a reduced draft vocabulary too, and
+    whether the chains are drawn in the compiled kernels or a step at a time."""
     target, _ = tiny_vocab_pair
     prompt = tuple(range(8)) * 2
     base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
     with torch.inference_mode():
         marginals = exact_marginals(target, prompt, base, 3)
     drafter = Eagle3Drafter(head_for(target.model, draft_vocab), target.model, 16, 32)
+    assert drafter.sampled_in_kernels == (drafter.native is not None)
+    if in_kernels and drafter.native is None:
+        pytest.skip("the compiled kernels are not built here")
+    drafter.sampled_in_kernels = in_kernels
     engine = Engine(target, drafter, 16, 32, [2], verification=verification)
     requests = [
         Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
