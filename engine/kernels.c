@@ -747,16 +747,15 @@ int adaspec_nucleus(const float *probs, int rows, int n, float top_p, float *out
 /* A sampled draft (engine/sampling.py `target_probs` without top-k, then `sample`): `probs`
  * becomes softmax(logits * inv_temperature) kept on its top_p nucleus, and the draft is the first
  * index whose cumulative probability exceeds u times the total (a zero-probability one never
- * does). `scratch` holds n floats. Returns the index, or -1 when memory could not be had. */
+ * does). `scratch` holds n floats rounded up to a multiple of 16, plus 16. Returns the index, or
+ * -1 when memory could not be had. */
 static int draw(const float *logits, int n, float inv_temperature, float top_p, double u, float *probs,
                 float *scratch) {
-    float largest = logits[0] * inv_temperature;
-    for (int i = 1; i < n; i++) largest = logits[i] * inv_temperature > largest ? logits[i] * inv_temperature : largest;
-    double sum = 0.0;
-    for (int i = 0; i < n; i++) sum += probs[i] = expf(logits[i] * inv_temperature - largest);
-    for (int i = 0; i < n; i++) probs[i] = (float)(probs[i] / sum);
+    memcpy(scratch, logits, sizeof(float) * (size_t)n);
+    softmax(scratch, 0, 0, n - 1, n - 1, inv_temperature);
     if (top_p < 1.0f) {
-        if (adaspec_nucleus(probs, 1, n, top_p, scratch)) return -1;
+        if (adaspec_nucleus(scratch, 1, n, top_p, probs)) return -1;
+    } else {
         memcpy(probs, scratch, sizeof(float) * (size_t)n);
     }
     double total = 0.0, seen = 0.0;
@@ -788,7 +787,7 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
     int longest = 0;
     for (int r = 0; r < rows; r++)
         if (steps[r] > longest) longest = steps[r];
-    float *arena = malloc(sizeof(float) * ((size_t)rows * (2 * hidden + vocab) + (size_t)vocab));
+    float *arena = malloc(sizeof(float) * ((size_t)rows * (2 * hidden + vocab) + (size_t)vocab + 32));
     int32_t *meta = malloc(sizeof(int32_t) * (size_t)rows * 4);
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)rows);
     if (!arena || !meta || !ids) {
