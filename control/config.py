@@ -183,7 +183,8 @@ def _default_socket(values: Mapping[str, Any]) -> Path:
 
 def _default_candidates(values: Mapping[str, Any]) -> tuple[int, ...]:
     strategy = values.get("adaptive.strategy")
-    return DEFAULT_CANDIDATES.get(strategy if isinstance(strategy, str) else "measured", DEFAULT_CANDIDATES["measured"])
+    default = DEFAULT_CANDIDATES["positional"]
+    return DEFAULT_CANDIDATES.get(strategy, default) if isinstance(strategy, str) else default
 
 
 def _default_mode(values: Mapping[str, Any]) -> str:
@@ -229,8 +230,10 @@ SCHEMA: Mapping[str, Section] = {
     "adaptive": Section(AdaptiveSettings, live=True, doc="the draft-length policy", keys={
         "enabled": Key("bool", True, "adapt k to the acceptance rate; false = always static_k"),
         "static_k": Key("int", 3, "k used when enabled = false", lo=0, bounded_by_max_k=True),
-        "strategy": Key("str", "measured", "policy: measured (climbs to the k measured fastest) or ema"
-                        " (SGLang ladder)", choices=("measured", "ema"),
+        "strategy": Key("str", "positional", "policy: positional (each k's tokens from how often each draft"
+                        " position is kept, its seconds measured), measured (climbs to the k measured fastest)"
+                        " or ema (SGLang ladder)",
+                        choices=("measured", "positional", "ema"),
                         retired={"goodput": "'measured' replaced it"}),
         "candidate_k": Key("ks", _default_candidates, "draft lengths k the policy chooses from", lo=0,
                                bounded_by_max_k=True),

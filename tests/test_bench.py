@@ -34,7 +34,7 @@ def test_spec_harness_reports_every_mode_and_phase(tmp_path, capsys):
     ]
     target, draft, workload = tiny_setup(tmp_path, lines, draft_scale=0.2)
     out, plot = tmp_path / "out.json", tmp_path / "plot.png"
-    modes = "none,static:1,static:3,adaptive:ema,adaptive:measured"
+    modes = "none,static:1,static:3,adaptive:ema,adaptive:measured,adaptive:positional"
     spec_main(
         ["--workload", str(workload), "--modes", modes, "--concurrency", "2", "--target", str(target)]
         + ["--draft", str(draft), "--json", str(out), "--plot", str(plot), "--max-seq-len", "64"]

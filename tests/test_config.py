@@ -120,7 +120,7 @@ def test_every_schema_key_is_a_settings_field():
 
 @pytest.mark.parametrize(
     ("strategy", "candidates"),
-    [("measured", (0, 1, 2, 3, 4, 5, 7)), ("ema", (1, 3, 7))],
+    [("measured", (0, 1, 2, 3, 4, 5, 7)), ("positional", (0, 1, 2, 3, 4, 5, 7)), ("ema", (1, 3, 7))],
 )
 def test_each_strategy_has_its_own_default_candidates_unless_the_file_names_them(tmp_path, strategy, candidates):
     snapshot = load_config(write(tmp_path, f'[adaptive]\nstrategy = "{strategy}"\n'))
@@ -134,10 +134,10 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     snapshot = load_config(write(tmp_path, "[adaptive]\nema_alpha = 0.5\n"))
     assert snapshot.adaptive.policy.ema_alpha == 0.5
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
-    # The daemon's defaults: the measured strategy over its own ladder (chosen on the tuning half
+    # The daemon's defaults: the positional strategy over its own ladder (chosen on the tuning half
     # of the workload suite, docs/benchmarks.md); every other policy parameter is PolicyParams'.
     assert snapshot.adaptive.policy == PolicyParams(
-        strategy="measured", candidate_k=(0, 1, 2, 3, 4, 5, 7), ema_alpha=0.5
+        strategy="positional", candidate_k=(0, 1, 2, 3, 4, 5, 7), ema_alpha=0.5
     )
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_k is None
     assert snapshot.engine.target == tmp_path / "models" / "target"

@@ -3,6 +3,7 @@ output stays lossless through every switch."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import replace
 
@@ -156,3 +157,20 @@ def test_the_policy_sees_each_round_whole_from_drafting_to_emitting(pair):
     assert seen
     for observation in seen:
         assert observation.round_seconds > observation.draft_seconds + observation.verify_seconds > 0
+
+
+def test_the_positional_strategy_tries_single_rounds_and_output_stays_lossless(pair):
+    target, _ = pair
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    policy = replace(FAST, strategy="positional", candidate_k=(0, 1, 2, 3, 5, 7), probe_interval=2)
+    controller = make(pair, policy)
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    ks: list[int] = []
+    outputs = serve(controller, requests, on_step=lambda c: ks.append(c.k))
+    assert [outputs[r.id] for r in requests] == expected
+    assert len(set(ks)) >= 3 and controller.switches > 0
+    # A try is a round at another k (two from k = 0, where the drafter first catches up), and
+    # the policy returns to the k it serves.
+    runs = [(k, len(list(group))) for k, group in itertools.groupby(ks)]
+    assert any(a == c != b and n <= 2 for (a, _), (b, n), (c, _) in zip(runs, runs[1:], runs[2:]))

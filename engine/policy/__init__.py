@@ -4,14 +4,18 @@ A policy sees every verified round (the accepted drafts of each request, the bat
 round cost) and may decide to move to another k. It never touches the engine: the controller
 applies its decisions between rounds.
 
-- `MeasuredPolicy` (measured.py, the default) keeps to the k whose rounds were measured to serve
+- `MeasuredPolicy` (measured.py) keeps to the k whose rounds were measured to serve
   the most tokens per second at the current batch size, and now and then tries its neighbours on
   the candidate ladder, as often as an exploration budget allows.
+- `PositionalPolicy` (positional.py, the default) counts how often each draft position is kept wherever a
+  round reached it (a round at k says what every shorter k would have emitted), times each k's
+  rounds, serves the k with the most tokens per second, and tries the neighbours of that k a
+  single round at a time, as often as an exploration budget allows.
 - `EmaPolicy` (ema.py) follows SGLang's adaptive speculative decoding: an EMA of accepted drafts
   per request, and a threshold ladder over the sorted candidates with hysteresis.
 - `SlottedPolicy` (slots.py) keeps a separate candidate list and policy state per batch-size range.
 
-Both strategies share their clock (schedule.py): warm-up, decision interval, probing from k = 0,
+Every strategy shares its clock (schedule.py): warm-up, decision interval, probing from k = 0,
 snapping to the candidates and parameter swaps.
 """
 
@@ -21,6 +25,7 @@ from engine.policy.contracts import Decision, Observation, Policy, snap
 from engine.policy.ema import EmaPolicy
 from engine.policy.measured import STALL_FACTOR, MeasuredPolicy, window_rate
 from engine.policy.params import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
+from engine.policy.positional import PositionalPolicy
 from engine.policy.slots import STRATEGIES, SlottedPolicy
 
 
@@ -40,6 +45,7 @@ __all__ = [
     "Observation",
     "Policy",
     "PolicyParams",
+    "PositionalPolicy",
     "SlottedPolicy",
     "make_policy",
     "snap",

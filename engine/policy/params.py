@@ -17,7 +17,7 @@ class BatchSlot:
 # tries only a k's neighbours, a ladder fine enough that a neighbour is a small step (4 was added
 # on the tuning half of the workload suite: at batch 1 the best k is often 4 or 5, and 3 and 5
 # were too far apart to climb between on a 2% margin; docs/benchmarks.md).
-DEFAULT_CANDIDATES = {"ema": (1, 3, 7), "measured": (0, 1, 2, 3, 4, 5, 7)}
+DEFAULT_CANDIDATES = {"ema": (1, 3, 7), "measured": (0, 1, 2, 3, 4, 5, 7), "positional": (0, 1, 2, 3, 4, 5, 7)}
 
 
 @dataclass(frozen=True)

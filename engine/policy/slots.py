@@ -8,8 +8,13 @@ from engine.policy.contracts import Decision, Observation, Policy
 from engine.policy.ema import EmaPolicy
 from engine.policy.measured import MeasuredPolicy
 from engine.policy.params import PolicyParams
+from engine.policy.positional import PositionalPolicy
 
-STRATEGIES: dict[str, type[EmaPolicy] | type[MeasuredPolicy]] = {"ema": EmaPolicy, "measured": MeasuredPolicy}
+STRATEGIES: dict[str, type[EmaPolicy] | type[MeasuredPolicy] | type[PositionalPolicy]] = {
+    "ema": EmaPolicy,
+    "measured": MeasuredPolicy,
+    "positional": PositionalPolicy,
+}
 
 
 class SlottedPolicy:

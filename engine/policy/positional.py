@@ -1,0 +1,228 @@
+"""The positional strategy: what every k would serve, from how often each draft position is kept
+and what a round at each k costs, both counted on the rounds served."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence as Seq
+
+from engine.policy.contracts import Decision, Observation
+from engine.policy.measured import START_K, WINDOW_ROUNDS
+from engine.policy.params import PolicyParams
+from engine.policy.schedule import Schedule
+
+# Rounds over which what was counted at a draft position loses half its weight: the traffic may
+# change, and a position reached only by tries keeps its count for a while.
+HALF_LIFE_ROUNDS = 64
+# A position never reached is believed as likely kept as the one before it, with this weight in
+# sequences; the first position, half the time.
+PRIOR_WEIGHT = 2.0
+# The most rounds between two tries of a neighbour, however much tries of it lose.
+MAX_SPACING_ROUNDS = 640
+# Rounds a k's measured seconds stay current: what a round costs moves with the traffic too (the
+# context's length; a hybrid drafter's share of lookups), so k's are compared on recent rounds.
+FRESH_ROUNDS = 4 * HALF_LIFE_ROUNDS
+# A shorter k is tried only while fewer of its rounds than this are current: the rounds served say
+# its tokens exactly, so a try only measures its seconds, and their median wants a few.
+SHORTER_SAMPLES = 8
+
+
+class PositionalPolicy(Schedule):
+    """Choose k by what each k would have served on the rounds just served.
+
+    A round at k says, for every shorter k, exactly how many tokens it would have emitted: a
+    chain's first drafts are the same whatever its length, and so is whether each is kept. So the
+    policy counts, at each draft position j, how many sequences reached j (their first j - 1
+    drafts kept) and how many of those kept the j-th; the chance of keeping j drafts is the
+    product of those ratios, and a k's tokens a round are 1 plus the sum of those chances up to
+    k. What is kept is shared by every batch size; a k's round seconds are the median of its own
+    recent rounds at each batch size. The policy serves the k with the most tokens a second (a
+    move must win by `switch_margin`). Positions beyond the k served are counted only on tries:
+    now and then a single round runs at the next longer k, as often as keeps what tries
+    lose (all they cost, a drafter catching up after k = 0 included) within `exploration` of the
+    serving time. A shorter k is tried only until a few of its rounds are current (its tokens
+    are known), and at once while none is: until then the policy cannot move there.
+    """
+
+    blind_at_zero = False
+
+    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
+        super().__init__(params, initial_k if initial_k is not None else START_K, candidates)
+        self.rounds = 0
+        self.rounds_at: dict[int, int] = {}  # batch size -> rounds served at it
+        self.batch_size = 1
+        self.serving = self._k  # the k served between tries
+        size = max(self.candidates) + 1
+        self.reached = [0.0] * size  # sequences that reached position j, decayed
+        self.kept = [0.0] * size  # of those, how many kept the j-th draft, decayed
+        self.growth = 2 ** (1 / HALF_LIFE_ROUNDS)
+        self.weight = 1.0  # the newest round's weight in those counts
+        # (k, batch size) -> the round and seconds of k's last rounds at that batch size
+        self.seconds: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self.medians: dict[tuple[int, int], float] = {}  # their medians, as last read
+        self.due: dict[tuple[int, int], int] = {}  # (k, batch size) -> the round a try of k is due
+        self.trying = 0  # rounds left of the current try
+        self.trial = (0, 0.0)  # tokens and seconds the current try's rounds served
+        self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
+
+    @property
+    def ema(self) -> float:
+        """Accepted drafts a sequence is expected to keep a round at the current k."""
+        return self.tokens(self._k) - 1
+
+    def keep_chances(self) -> list[float]:
+        """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
+        chances, survive, previous = [1.0], 1.0, 0.5
+        prior = PRIOR_WEIGHT * self.weight
+        for j in range(1, len(self.reached)):
+            ratio = (self.kept[j] + prior * previous) / (self.reached[j] + prior)
+            survive *= ratio
+            chances.append(survive)
+            previous = ratio
+        return chances
+
+    def tokens(self, k: int) -> float:
+        """Tokens a sequence is expected to emit a round at k."""
+        return sum(self.keep_chances()[: k + 1])
+
+    def rates(self, batch_size: int) -> dict[int, float]:
+        """Tokens a second at each k whose seconds at this batch size were measured lately: the
+        median of its rounds, so that a few tries' rounds that met a new prompt (which the
+        drafter takes in) or a stall of the machine do not decide what their k costs."""
+        chances, rates = self.keep_chances(), {}
+        for k in self.candidates:
+            if seconds := self.median_seconds(k, batch_size):
+                rates[k] = sum(chances[: k + 1]) * batch_size / seconds
+        return rates
+
+    def recent_seconds(self, k: int, batch_size: int) -> deque[tuple[int, float]]:
+        """k's rounds at this batch size within its last FRESH_ROUNDS rounds (a batch size not
+        served meanwhile keeps what was measured at it), as (round there, seconds)."""
+        window = self.seconds.get((k, batch_size), deque())
+        since = self.rounds_at.get(batch_size, 0) - FRESH_ROUNDS
+        while window and window[0][0] < since:
+            window.popleft()
+            self.medians.pop((k, batch_size), None)
+        return window
+
+    def median_seconds(self, k: int, batch_size: int) -> float | None:
+        """The median of k's recent round seconds at this batch size, None if it has none."""
+        window = self.recent_seconds(k, batch_size)
+        if not window:
+            return None
+        key = (k, batch_size)
+        if key not in self.medians:
+            self.medians[key] = statistics.median(seconds for _, seconds in window)
+        return self.medians[key]
+
+    def learn(self, observation: Observation) -> None:
+        self.rounds += 1
+        # Rather than every count decaying each round, each new round weighs 2^(1/half-life)
+        # times the one before: the ratios read are the same, and a round costs only its own.
+        self.weight *= self.growth
+        if self.weight > 1e100:
+            self.reached = [n / self.weight for n in self.reached]
+            self.kept = [n / self.weight for n in self.kept]
+            self.weight = 1.0
+        w, reached, kept_at, top = self.weight, self.reached, self.kept, len(self.reached) - 1
+        for kept, proposed in zip(observation.accepted, observation.proposed):
+            # A pinned k may run beyond the candidates: positions past them are not counted.
+            for j in range(1, min(kept, top) + 1):
+                reached[j] += w
+                kept_at[j] += w
+            if kept < min(proposed, top):
+                reached[kept + 1] += w
+        b = observation.batch_size
+        served = self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
+        first, self.after_zero = self.after_zero, False
+        if not first and observation.seconds > 0:
+            # A drafter left behind at k = 0 catches up in its first round after: not k's cost.
+            key = (observation.k, b)
+            self.seconds.setdefault(key, deque(maxlen=WINDOW_ROUNDS)).append((served, observation.seconds))
+            self.medians.pop(key, None)
+
+    def observe(self, observation: Observation) -> Decision | None:
+        if not observation.accepted:
+            return None
+        self.learn(observation)
+        b = observation.batch_size
+        if b != self.batch_size:
+            self.batch_size, self.trying = b, 0
+            return self._serve_fastest(b, "batch")
+        if self.trying:
+            self.trying -= 1
+            self.trial = (self.trial[0] + observation.tokens, self.trial[1] + observation.seconds)
+            if self.trying:
+                return None
+            self._space_tries(b, tried=observation.k)
+            # A neighbour not yet measured here is tried at once: until it is, k cannot move there.
+            return self._serve_fastest(b, "measured") or self._try_neighbour(b, unmeasured_only=True)
+        self.batches += 1
+        if self.batches < self.params.warmup_batches or self.batches % self.params.update_interval:
+            return None
+        return self._serve_fastest(b, "measured") or self._try_neighbour(b)
+
+    def _serve_fastest(self, b: int, reason: str) -> Decision | None:
+        """Move to the fastest k whose seconds are known here, when it beats the k served by
+        `switch_margin` (or the k served is not known here)."""
+        rates = self.rates(b)
+        best = max(rates, key=rates.__getitem__) if rates else self.serving
+        here = rates.get(self.serving)
+        if here is not None and rates[best] <= here * (1 + self.params.switch_margin):
+            best = self.serving
+        self.serving = best
+        return None if best == self._k else self.move(best, reason)
+
+    def _try_neighbour(self, b: int, unmeasured_only: bool = False) -> Decision | None:
+        """A round at another k, if one is due: the longer neighbour of the k served, to count
+        the positions beyond it and measure its seconds; a shorter k, whose tokens the rounds
+        served say exactly, only while fewer than SHORTER_SAMPLES of its rounds are current, and
+        at once, whatever is due, while none is."""
+        here = self.serving
+        shorter = [k for k in self.candidates if k < here][::-1]
+        longer = [k for k in self.candidates if k > here][:1]
+        for k in shorter + longer:
+            current = len(self.recent_seconds(k, b))
+            waiting = self.rounds < self.due.get((k, b), 0) or (unmeasured_only and current > 0)
+            if (k < here and current >= SHORTER_SAMPLES) or (waiting and (k > here or current > 0)):
+                continue
+            # From k = 0 the drafter catches up in its first round: a second one measures k.
+            self.trying, self.trial = (2 if here == 0 else 1), (0, 0.0)
+            self.due[(k, b)] = self.rounds + self.params.probe_interval  # until the try says
+            return self.move(k, "probe")
+        return None
+
+    def _space_tries(self, b: int, tried: int) -> None:
+        """Put off the next try of `tried` by what this one lost against the k served, so that tries
+        lose at most `exploration` of the serving time: half of it for tries of the longer
+        neighbour, half for tries of the shorter k's. The try is charged all it cost, a drafter
+        left behind at k = 0 catching up included."""
+        rate, seconds = self.rates(b).get(self.serving), self.median_seconds(self.serving, b)
+        if rate is None or seconds is None:
+            return
+        tokens, spent = self.trial
+        lost = max(0.0, spent - tokens / rate)
+        # Half the budget is the longer neighbour's; the shorter k's share the other half.
+        share = self.params.exploration / 2
+        if tried < self.serving:
+            share /= sum(k < self.serving for k in self.candidates)
+        spacing = lost / (share * seconds)
+        spacing = min(MAX_SPACING_ROUNDS, max(self.params.probe_interval, spacing))
+        self.due[(tried, b)] = self.rounds + int(spacing)
+
+    def move(self, k: int, reason: str) -> Decision:
+        self.after_zero = self._k == 0 and k > 0
+        return super().move(k, reason)
+
+    def set_k(self, k: int) -> None:
+        self.after_zero = self._k == 0 and k > 0
+        super().set_k(k)
+        self.serving, self.trying = self._k, 0
+
+    def update_params(self, params: PolicyParams) -> None:
+        super().update_params(params)
+        size = max(self.candidates) + 1
+        self.reached = (self.reached + [0.0] * size)[:size]
+        self.kept = (self.kept + [0.0] * size)[:size]
+        self.serving, self.trying = self._k, 0

@@ -1,0 +1,128 @@
+"""The positional strategy, through its public interface: rounds observed, decisions read."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from engine.policy import Observation, PolicyParams, PositionalPolicy, make_policy
+from tests.test_policy_measured import best_static, rate, run, tokens_per_second, traffic
+
+LADDER = PolicyParams(strategy="positional", candidate_k=(0, 1, 2, 3, 4, 5, 7))
+
+
+def test_from_a_new_engine_it_serves_about_as_fast_as_the_best_static_k():
+    # The climb from k = 2 included: a new engine's first 600 rounds.
+    for acceptance in (0.5, 0.85):
+        serve = traffic(acceptance)
+        worst = min(tokens_per_second(serve, k, 1) for k in LADDER.candidate_k)
+        assert best_static(serve, 1) > 1.1 * worst  # the k matters here
+        rates = [rate(run(PositionalPolicy(LADDER), serve, 600, seed=seed)) for seed in range(3)]
+        assert sum(rates) / len(rates) >= 0.97 * best_static(serve, 1)
+
+
+def test_where_drafting_never_pays_it_stays_at_zero_and_tries_drafting_seldom():
+    serve = traffic(0.05)
+    served = run(PositionalPolicy(LADDER), serve, 1000, batch_size=4)
+    ks = [o.k for o in served[-600:]]
+    assert ks.count(0) >= 0.95 * len(ks)
+    assert 1 in ks  # it still looks now and then
+    assert rate(served[-600:]) >= 0.98 * tokens_per_second(serve, 0, 4)
+
+
+def test_it_follows_the_traffic_from_high_acceptance_to_hopeless_and_back():
+    policy = PositionalPolicy(LADDER)
+    high, hopeless = traffic(0.9), traffic(0.02)
+    run(policy, high, 400)
+    drafting = run(policy, high, 200, seed=3)
+    assert rate(drafting) >= 0.97 * best_static(high, 1)
+    run(policy, hopeless, 150, seed=1)  # what was counted fades with a half-life of 64 rounds
+    plain = run(policy, hopeless, 200, seed=4)
+    assert rate(plain) >= 0.95 * best_static(hopeless, 1)
+    run(policy, high, 300, seed=2)
+    again = run(policy, high, 200, seed=5)
+    assert rate(again) >= 0.9 * best_static(high, 1) > 1.5 * tokens_per_second(high, 0, 1)
+
+
+def test_its_share_of_rounds_on_tries_shrinks_with_its_exploration_budget():
+    serve = traffic(0.05)
+    shares = []
+    for exploration in (0.05, 0.005):
+        policy = PositionalPolicy(replace(LADDER, exploration=exploration, candidate_k=(0, 1)), initial_k=0)
+        ks = [o.k for o in run(policy, serve, 3000, batch_size=4)[500:]]
+        shares.append(ks.count(1) / len(ks))
+    assert shares[1] < shares[0] / 3
+    assert shares[0] <= 0.15
+
+
+def test_rounds_at_a_long_k_tell_every_shorter_k_its_tokens():
+    # Every round at k = 7 keeps 2 drafts of a sequence and 6 of the other: a k = 3 round would
+    # have emitted 3 and 4 tokens, 3.5 a sequence; k = 7 emitted 3 and 7, 5 a sequence.
+    policy = PositionalPolicy(LADDER, initial_k=7)
+    for _ in range(200):
+        policy.learn(Observation(7, (2, 6), (7, 7), round_seconds=0.01))
+    assert abs(policy.tokens(3) - 3.5) < 0.01
+    assert abs(policy.tokens(7) - 5.0) < 0.01
+    assert abs(policy.tokens(0) - 1.0) < 1e-9
+
+
+def test_a_position_never_reached_is_believed_as_likely_kept_as_the_one_before():
+    policy = PositionalPolicy(LADDER, initial_k=2)
+    for _ in range(200):  # the first draft is kept 4 times in 5, the second always after it
+        policy.learn(Observation(2, (2, 2, 2, 2, 0), (2,) * 5, round_seconds=0.01))
+    chances = policy.keep_chances()
+    assert abs(chances[1] - 0.8) < 0.01 and abs(chances[2] - 0.8) < 0.01
+    assert abs(chances[3] - 0.8) < 0.02  # position 3, never reached: as likely as 2, always kept
+    assert all(later <= earlier for earlier, later in zip(chances, chances[1:]))
+
+
+def test_batch_sizes_keep_their_own_seconds_and_share_what_is_kept():
+    serve = traffic(0.7, verify_token=0.0012)  # verifying is dear: drafting pays alone, not at batch 8
+    assert tokens_per_second(serve, 0, 8) > tokens_per_second(serve, 1, 8)
+    assert tokens_per_second(serve, 2, 1) > tokens_per_second(serve, 0, 1)
+    policy = PositionalPolicy(LADDER)
+    run(policy, serve, 400, batch_size=1)
+    alone = policy.k
+    assert alone > 0
+    crowded = run(policy, serve, 400, batch_size=8)
+    assert rate(crowded[-200:]) >= 0.97 * tokens_per_second(serve, 0, 8)
+    decision = policy.observe(serve(policy.k, 1, random.Random(3)))  # alone again: what batch 1 measured
+    assert decision is not None and decision.reason == "batch" and abs(policy.k - alone) <= 1
+
+
+def test_a_parameter_swap_keeps_what_was_counted_and_snaps_k():
+    serve = traffic(0.85)
+    policy = PositionalPolicy(LADDER)
+    run(policy, serve, 400)
+    before, tokens = policy.k, policy.tokens(3)
+    policy.update_params(replace(LADDER, exploration=0.05, candidate_k=(0, 2, 4, 6)))
+    assert policy.k in (0, 2, 4, 6) and abs(policy.k - before) <= 1
+    assert policy.tokens(3) == tokens
+    served = run(policy, serve, 400, seed=1)
+    assert {o.k for o in served} <= {0, 2, 4, 6}
+
+
+def test_make_policy_builds_it_from_the_config_name():
+    policy = make_policy(LADDER)
+    assert isinstance(policy, PositionalPolicy) and policy.k == 2
+
+
+def test_what_a_k_costs_is_compared_only_while_it_was_measured_lately():
+    # A round's cost moves with the traffic (context length, a hybrid drafter's lookups): k = 3's
+    # seconds from long ago are not set against k = 5's of now.
+    policy = PositionalPolicy(replace(LADDER, candidate_k=(3, 5)), initial_k=3)
+    for _ in range(20):
+        policy.learn(Observation(3, (3,), (3,), round_seconds=0.005))
+    policy.set_k(5)
+    for _ in range(20):
+        policy.learn(Observation(5, (5,), (5,), round_seconds=0.010))
+    assert set(policy.rates(1)) == {3, 5}
+    for _ in range(1000):
+        policy.learn(Observation(5, (5,), (5,), round_seconds=0.010))
+    assert set(policy.rates(1)) == {5}
+
+
+def test_rounds_at_a_pinned_k_beyond_the_candidates_are_counted_up_to_them():
+    policy = PositionalPolicy(LADDER)
+    policy.observe(Observation(10, (10, 4), (10, 10), round_seconds=0.01))
+    assert policy.keep_chances()[7] > 0
