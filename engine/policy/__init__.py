@@ -7,10 +7,11 @@ applies its decisions between rounds.
 - `MeasuredPolicy` (measured.py) keeps to the k whose rounds were measured to serve
   the most tokens per second at the current batch size, and now and then tries its neighbours on
   the candidate ladder, as often as an exploration budget allows.
-- `PositionalPolicy` (positional.py, the default) counts how often each draft position is kept wherever a
-  round reached it (a round at k says what every shorter k would have emitted), times each k's
-  rounds, serves the k with the most tokens per second, and tries the neighbours of that k a
-  single round at a time, as often as an exploration budget allows.
+- `PositionalPolicy` (positional.py, the default) counts how often each draft position is kept
+  wherever a round reached it (a round at k says what every shorter k would have emitted), times
+  each k's rounds, serves the k with the most tokens per second, and tries other k a single
+  round at a time (the next longer one, and shorter ones until their seconds are known), as
+  often as an exploration budget allows.
 - `EmaPolicy` (ema.py) follows SGLang's adaptive speculative decoding: an EMA of accepted drafts
   per request, and a threshold ladder over the sorted candidates with hysteresis.
 - `SlottedPolicy` (slots.py) keeps a separate candidate list and policy state per batch-size range.

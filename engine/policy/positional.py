@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 
 from engine.policy.contracts import Decision, Observation
-from engine.policy.measured import START_K, WINDOW_ROUNDS
+from engine.policy.measured import MAX_SPACING, START_K, WINDOW_ROUNDS
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import Schedule
 
@@ -18,8 +18,6 @@ HALF_LIFE_ROUNDS = 64
 # A position never reached is believed as likely kept as the one before it, with this weight in
 # sequences; the first position, half the time.
 PRIOR_WEIGHT = 2.0
-# The most rounds between two tries of a neighbour, however much tries of it lose.
-MAX_SPACING_ROUNDS = 640
 # Rounds a k's measured seconds stay current: what a round costs moves with the traffic too (the
 # context's length; a hybrid drafter's share of lookups), so k's are compared on recent rounds.
 FRESH_ROUNDS = 4 * HALF_LIFE_ROUNDS
@@ -156,12 +154,13 @@ class PositionalPolicy(Schedule):
             if self.trying:
                 return None
             self._space_tries(b, tried=observation.k)
-            # A neighbour not yet measured here is tried at once: until it is, k cannot move there.
-            return self._serve_fastest(b, "measured") or self._try_neighbour(b, unmeasured_only=True)
+            # Where the k tried is now the one served, a k beside it not yet measured here is tried
+            # at once: until it is, k cannot move there.
+            return self._serve_fastest(b, "measured") or self._try_other_k(b, unmeasured_only=True)
         self.batches += 1
         if self.batches < self.params.warmup_batches or self.batches % self.params.update_interval:
             return None
-        return self._serve_fastest(b, "measured") or self._try_neighbour(b)
+        return self._serve_fastest(b, "measured") or self._try_other_k(b)
 
     def _serve_fastest(self, b: int, reason: str) -> Decision | None:
         """Move to the fastest k whose seconds are known here, when it beats the k served by
@@ -174,7 +173,7 @@ class PositionalPolicy(Schedule):
         self.serving = best
         return None if best == self._k else self.move(best, reason)
 
-    def _try_neighbour(self, b: int, unmeasured_only: bool = False) -> Decision | None:
+    def _try_other_k(self, b: int, unmeasured_only: bool = False) -> Decision | None:
         """A round at another k, if one is due: the longer neighbour of the k served, to count
         the positions beyond it and measure its seconds; a shorter k, whose tokens the rounds
         served say exactly, only while fewer than SHORTER_SAMPLES of its rounds are current, and
@@ -208,7 +207,7 @@ class PositionalPolicy(Schedule):
         if tried < self.serving:
             share /= sum(k < self.serving for k in self.candidates)
         spacing = lost / (share * seconds)
-        spacing = min(MAX_SPACING_ROUNDS, max(self.params.probe_interval, spacing))
+        spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
         self.due[(tried, b)] = self.rounds + int(spacing)
 
     def move(self, k: int, reason: str) -> Decision:
