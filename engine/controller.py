@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import structlog
 
 from engine.core import Engine, StepResult
-from engine.policy import Observation, Policy, PolicyParams, make_policy
+from engine.policy import Observation, Policy, PolicyParams, RoundProfile, make_policy
 
 log = structlog.get_logger("adaspec.engine")
 # The same name in the standard library's tree, whose level follows the daemon's (daemon/logs.py).
@@ -74,11 +74,13 @@ class Controller:
         static_k: int | None = None,
         initial_k: int | None = None,
         on_switch: SwitchObserver | None = None,
+        profile: RoundProfile | None = None,
     ) -> None:
         self.engine = engine
         self.on_switch = on_switch  # called on the engine thread after every switch (metrics)
         self.params = params
-        self.policy: Policy = make_policy(params, initial_k)
+        self.profile = profile  # each state's round seconds, timed before serving (Engine.time_rounds)
+        self.policy: Policy = make_policy(params, initial_k, profile)
         self.mode = "adaptive" if adaptive else "static"
         self.static_k = static_k if static_k is not None else self.policy.k
         self.pinned: int | None = None
@@ -144,7 +146,11 @@ class Controller:
             self._require_state(k)
         if message.static_k is not None:
             self._require_state(message.static_k)
-        self.policy.update_params(message.params)
+        if message.params.strategy != self.params.strategy or bool(message.params.slots) != bool(self.params.slots):
+            # Another strategy learns other things: it starts afresh from the current k.
+            self.policy = make_policy(message.params, self.policy.k, self.profile)
+        else:
+            self.policy.update_params(message.params)
         self.params = message.params
         self.mode = "adaptive" if message.adaptive else "static"
         if message.static_k is not None:

@@ -13,6 +13,8 @@ inbox is the one way in.
 
 from __future__ import annotations
 
+import copy
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -26,12 +28,12 @@ from engine.backend import Backend, backend_for
 from engine.checkpoint import Checkpoint
 from engine.detokenize import OutputText
 from engine.dflash import DFlashDrafter
-from engine.drafters import Drafter, DraftModelDrafter, Proposal
+from engine.drafters import Drafter, DraftModelDrafter, NgramDrafter, Proposal
 from engine.eagle3 import Eagle3Drafter
 from engine.graphs import CallGraphs, ForwardMode, GraphRunner, GraphSet, default_batch_sizes
 from engine.model import Captured
 from engine.request import Request, Sequence, finish_reason
-from engine.sampling import next_token
+from engine.sampling import SamplingParams, next_token
 from engine.verify import CHAIN_RULES, verify
 
 
@@ -218,6 +220,54 @@ class Engine:
                 scratch.lengths[slot] = 0
             tokens = [[0] * (k + 1)] * batch_size
             self.model(self.model.batch(scratch, slots, tokens), scratch)
+
+    @torch.inference_mode()
+    def time_rounds(self, batch_sizes: Iterable[int], rounds: int = 8) -> dict[tuple[int, int], float]:
+        """The median seconds of a round at every built state and each batch size, timed before
+        serving on greedy requests of a fixed prompt, as (k, batch size) -> seconds.
+
+        Between rounds only, with nothing running: what the timed requests leave behind (round
+        count, each state's stats, the lookup history) is put back. A hybrid drafter times its
+        model: its lookups cost almost nothing, and no prompt says how often they will match."""
+        if self.has_work:
+            raise RuntimeError("time_rounds needs an idle engine")
+        saved_round, saved_state = self.round, self.state
+        saved_stats = {k: copy.deepcopy(state.stats) for k, state in self.states.items()}
+        drafter = self.drafter
+        lookups = drafter if isinstance(drafter, NgramDrafter) else getattr(drafter, "lookups", None)
+        if lookups is not None:
+            saved_history, lookups.history = lookups.history, None
+            lookups.enabled = lookups is drafter
+        prompt = tuple(range(16, 48))  # any tokens: a round costs the same whatever they say
+        seconds: dict[tuple[int, int], float] = {}
+        try:
+            for batch_size in sorted({min(b, self.max_batch_size) for b in batch_sizes}):
+                for k in sorted(self.states):
+                    self.state = self.states[k]
+                    longest = min(self.max_seq_len - len(prompt), (rounds + 2) * (k + 1) + 1)
+                    params = SamplingParams(max_tokens=longest, ignore_eos=True)
+                    for _ in range(batch_size):
+                        self.add_request(Request(prompt, params))
+                    self.step()  # prefill, and a first round that warms the shapes
+                    times = []
+                    while len(times) < rounds and self.running:
+                        started = time.perf_counter()
+                        result = self.step()
+                        if result.batch_size == batch_size:
+                            times.append(time.perf_counter() - started)
+                    for seq in self.running:
+                        self.cancel(seq.request.id)
+                    while self.has_work:
+                        self.step()
+                    if times:
+                        seconds[k, batch_size] = statistics.median(times)
+        finally:
+            self.round, self.state = saved_round, saved_state
+            for k, state in self.states.items():
+                state.stats = saved_stats[k]
+            if lookups is not None:
+                lookups.enabled, lookups.history = True, saved_history
+        return seconds
 
     def select(self, k: int) -> RuntimeState:
         """Make the state for `k` active from the next round on (a reference swap: its graphs are

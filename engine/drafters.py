@@ -376,6 +376,7 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
         self.indexes: dict[Sequence, NgramIndex] = {}
         self.history = LookupHistory(history) if history > 0 else None
+        self.enabled = True  # False while the engine times what a hybrid's model costs
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         for seq in seqs:
@@ -388,8 +389,10 @@ class NgramDrafter:
     def lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """The sequence's own continuation, or an earlier sequence's where that matched longer
         (up to k tokens), and how many tokens matched; no tokens when neither has one."""
-        tokens, match = self.indexes[seq].continuation(seq.tokens, k) if k > 0 else ([], 0)
-        if self.history is not None and k > 0 and match < LONGEST_MATCH:  # else no earlier text can match longer
+        if not self.enabled or k <= 0:
+            return [], 0
+        tokens, match = self.indexes[seq].continuation(seq.tokens, k)
+        if self.history is not None and match < LONGEST_MATCH:  # else no earlier text can match longer
             earlier, earlier_match = self.history.continuation(seq.tokens, k)
             if earlier_match > match:
                 tokens, match = earlier, earlier_match

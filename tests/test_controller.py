@@ -12,9 +12,9 @@ from structlog.testing import capture_logs
 
 from engine.controller import Controller, Force, Pin, SetParams, Unpin
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter
+from engine.drafters import DraftModelDrafter, HybridDrafter
 from engine.generate import generate
-from engine.policy import PolicyParams
+from engine.policy import EmaPolicy, MeasuredPolicy, PolicyParams, PositionalPolicy
 from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.test_speculative import PROMPTS
@@ -174,3 +174,44 @@ def test_the_positional_strategy_tries_single_rounds_and_output_stays_lossless(p
     # the policy returns to the k it serves.
     runs = [(k, len(list(group))) for k, group in itertools.groupby(ks)]
     assert any(a == c != b and n <= 2 for (a, _), (b, n), (c, _) in zip(runs, runs[1:], runs[2:]))
+
+
+def test_timing_every_state_before_serving_leaves_the_engine_as_it_found_it(pair):
+    target, draft = pair
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    drafter = HybridDrafter(draft, 4, 128, min_n=1, max_n=3, history=4096)
+    engine = Engine(target, drafter, 4, 128, (0, 2, 5))
+    engine.run_until_done([Request(tuple(PROMPTS[0]), params)])
+    history, rounds = dict(drafter.lookups.history.texts), engine.round
+    stats = {k: (s.stats.rounds, s.stats.tokens) for k, s in engine.states.items()}
+    engine.select(2)
+
+    profile = engine.time_rounds([1, 3], rounds=4)
+
+    assert set(profile) == {(k, b) for k in (0, 2, 5) for b in (1, 3)}
+    assert all(seconds > 0 for seconds in profile.values())
+    assert profile[5, 3] > profile[0, 1]  # five drafts for three sequences cost more than none for one
+    assert engine.round == rounds and engine.state.k == 2 and not engine.has_work
+    assert {k: (s.stats.rounds, s.stats.tokens) for k, s in engine.states.items()} == stats
+    assert drafter.lookups.history.texts == history and drafter.lookups.enabled
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    outputs = engine.run_until_done(requests)
+    assert [outputs[r.id] for r in requests] == expected
+
+
+def test_timing_needs_an_idle_engine(pair):
+    target, draft = pair
+    engine = Engine(target, DraftModelDrafter(draft, 4, 128), 4, 128, (0, 2))
+    engine.add_request(Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=8)))
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.time_rounds([1])
+
+
+def test_a_reload_to_another_strategy_starts_it_from_the_current_k(pair):
+    controller = make(pair, replace(FAST, strategy="positional", candidate_k=(0, 2, 5)), initial_k=5)
+    assert isinstance(controller.policy, PositionalPolicy)
+    controller.apply(SetParams(replace(FAST, strategy="ema", candidate_k=(1, 3, 7))))
+    assert isinstance(controller.policy, EmaPolicy) and controller.k == 7  # 5 snapped onto the ladder
+    controller.apply(SetParams(replace(FAST, strategy="measured", candidate_k=(0, 2, 5))))
+    assert isinstance(controller.policy, MeasuredPolicy) and controller.k == 5

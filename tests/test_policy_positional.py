@@ -126,3 +126,50 @@ def test_rounds_at_a_pinned_k_beyond_the_candidates_are_counted_up_to_them():
     policy = PositionalPolicy(LADDER)
     policy.observe(Observation(10, (10, 4), (10, 10), round_seconds=0.01))
     assert policy.keep_chances()[7] > 0
+
+
+def profile_of(serve, scale: float = 1.0, batch_sizes=(1,)) -> dict[tuple[int, int], float]:
+    """What the engine's timing before serving would say of `serve`: each k's seconds, here on
+    contexts `scale` times as cheap as the live ones."""
+    rng = random.Random(9)
+    return {(k, b): scale * serve(k, b, rng).round_seconds for k in LADDER.candidate_k for b in batch_sizes}
+
+
+def serve_counting_tries_down(policy: PositionalPolicy, serve, rounds: int) -> tuple[list[Observation], int]:
+    """Serve `rounds` rounds; also count the tries of a k shorter than the one served."""
+    rng, served, down = random.Random(0), [], 0
+    for _ in range(rounds):
+        k = policy.k
+        served.append(serve(k, 1, rng))
+        decision = policy.observe(served[-1])
+        down += decision is not None and decision.reason == "probe" and decision.k < k
+    return served, down
+
+
+def test_with_rounds_timed_before_serving_it_never_tries_a_shorter_k_and_climbs_sooner():
+    serve = traffic(0.9, draft_step=0.0001)  # drafting is cheap: k = 7 is clearly the best
+    assert tokens_per_second(serve, 7, 1) > 1.04 * max(tokens_per_second(serve, k, 1) for k in range(6))
+    served, tries_down = {}, {}
+    for profile in (None, profile_of(serve, scale=0.6)):  # the timed contexts were shorter
+        policy = PositionalPolicy(LADDER, profile=profile)
+        served[profile is not None], tries_down[profile is not None] = serve_counting_tries_down(policy, serve, 600)
+    assert tries_down == {True: 0, False: tries_down[False]} and tries_down[False] > 0
+    first_at = {timed: next(i for i, o in enumerate(rounds) if o.k == 7) for timed, rounds in served.items()}
+    assert first_at[True] < first_at[False]
+    assert rate(served[True]) >= 0.98 * best_static(serve, 1)
+
+
+def test_a_k_timed_before_serving_is_priced_at_the_level_of_the_live_rounds():
+    policy = PositionalPolicy(LADDER, initial_k=3, profile={(3, 1): 0.004, (5, 1): 0.005, (5, 4): 0.011})
+    for _ in range(10):
+        policy.learn(Observation(3, (3,), (3,), round_seconds=0.008))  # twice what was timed
+    assert abs(policy.median_seconds(5, 1) - 0.010) < 1e-9
+    assert policy.median_seconds(7, 1) is None  # not timed, never served
+    assert policy.median_seconds(5, 4) is None  # no live round at batch 4 yet
+    for _ in range(10):
+        policy.learn(Observation(5, (5,) * 6, (5,) * 6, round_seconds=0.033))  # batch 6: timed at 4
+    assert abs(policy.median_seconds(5, 6) - 0.033) < 1e-9
+    for _ in range(40):  # a full window of its own rounds: k is priced by them, not by the timing
+        policy.learn(Observation(5, (5,), (5,), round_seconds=0.009))
+    assert abs(policy.median_seconds(5, 1) - 0.009) < 1e-9
+    assert abs(policy.median_seconds(3, 1) - 0.004 * 0.009 / 0.005) < 1e-9

@@ -22,7 +22,7 @@ snapping to the candidates and parameter swaps.
 
 from __future__ import annotations
 
-from engine.policy.contracts import Decision, Observation, Policy, snap
+from engine.policy.contracts import Decision, Observation, Policy, RoundProfile, snap
 from engine.policy.ema import EmaPolicy
 from engine.policy.measured import STALL_FACTOR, MeasuredPolicy, window_rate
 from engine.policy.params import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
@@ -30,10 +30,10 @@ from engine.policy.positional import PositionalPolicy
 from engine.policy.slots import STRATEGIES, SlottedPolicy
 
 
-def make_policy(params: PolicyParams, initial_k: int | None = None) -> Policy:
+def make_policy(params: PolicyParams, initial_k: int | None = None, profile: RoundProfile | None = None) -> Policy:
     if params.slots:
-        return SlottedPolicy(params, initial_k)
-    return STRATEGIES[params.strategy](params, initial_k)
+        return SlottedPolicy(params, initial_k, profile)
+    return STRATEGIES[params.strategy](params, initial_k, profile=profile)
 
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "Observation",
     "Policy",
     "PolicyParams",
+    "RoundProfile",
     "PositionalPolicy",
     "SlottedPolicy",
     "make_policy",

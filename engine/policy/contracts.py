@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
 from engine.policy.params import PolicyParams
+
+# (k, batch size) -> the seconds of a round, timed by the engine before serving
+# (Engine.time_rounds): what each k costs before a policy has served it.
+RoundProfile = Mapping[tuple[int, int], float]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.policy.contracts import Decision, Observation
+from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import Schedule
 
@@ -23,8 +23,14 @@ class EmaPolicy(Schedule):
     new candidate list snaps the current k onto it and keeps the EMA.
     """
 
-    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
-        super().__init__(params, initial_k, candidates)
+    def __init__(
+        self,
+        params: PolicyParams,
+        initial_k: int | None = None,
+        candidates: Seq[int] | None = None,
+        profile: RoundProfile | None = None,
+    ):
+        super().__init__(params, initial_k, candidates, profile)
         self._ema = float(max(self._k - 1, 0))
 
     @property

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-from engine.policy.contracts import Decision, Observation
+from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import Schedule
 
@@ -71,8 +71,14 @@ class MeasuredPolicy(Schedule):
     measurement.
     """
 
-    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
-        super().__init__(params, initial_k if initial_k is not None else START_K, candidates)
+    def __init__(
+        self,
+        params: PolicyParams,
+        initial_k: int | None = None,
+        candidates: Seq[int] | None = None,
+        profile: RoundProfile | None = None,
+    ):
+        super().__init__(params, initial_k if initial_k is not None else START_K, candidates, profile)
         self.rounds = 0
         self.batch_size = 1
         # (k, batch size) -> the last WINDOW_ROUNDS rounds at k, and the round last seen

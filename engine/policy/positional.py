@@ -7,7 +7,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
-from engine.policy.contracts import Decision, Observation
+from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.measured import MAX_SPACING, START_K, WINDOW_ROUNDS
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import Schedule
@@ -45,8 +45,14 @@ class PositionalPolicy(Schedule):
 
     blind_at_zero = False
 
-    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
-        super().__init__(params, initial_k if initial_k is not None else START_K, candidates)
+    def __init__(
+        self,
+        params: PolicyParams,
+        initial_k: int | None = None,
+        candidates: Seq[int] | None = None,
+        profile: RoundProfile | None = None,
+    ):
+        super().__init__(params, initial_k if initial_k is not None else START_K, candidates, profile)
         self.rounds = 0
         self.rounds_at: dict[int, int] = {}  # batch size -> rounds served at it
         self.batch_size = 1
@@ -61,7 +67,12 @@ class PositionalPolicy(Schedule):
         self.medians: dict[tuple[int, int], float] = {}  # their medians, as last read
         self.due: dict[tuple[int, int], int] = {}  # (k, batch size) -> the round a try of k is due
         self.trying = 0  # rounds left of the current try
-        self.trial = (0, 0.0)  # tokens and seconds the current try's rounds served
+        self.trial = (0, 0, 0.0)  # rounds, tokens and seconds the current try has run
+        # batch size -> recent rounds' seconds over what the profile says they cost: the level of
+        # every k's profiled seconds now (longer contexts, another load on the machine)
+        self.levels: dict[int, deque[float]] = {}
+        self.level_medians: dict[int, float] = {}
+        self.profiled_sizes = sorted({b for _, b in self.profile})
         self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
 
     @property
@@ -105,14 +116,33 @@ class PositionalPolicy(Schedule):
         return window
 
     def median_seconds(self, k: int, batch_size: int) -> float | None:
-        """The median of k's recent round seconds at this batch size, None if it has none."""
+        """What a round at k costs at this batch size: the median of k's own recent rounds once
+        they fill a window, before that its profiled seconds at the live level (single rounds are
+        too noisy to compare k's a few percent apart); None if neither is known."""
         window = self.recent_seconds(k, batch_size)
+        if len(window) < WINDOW_ROUNDS and (priced := self.priced_seconds(k, batch_size)) is not None:
+            return priced
         if not window:
             return None
         key = (k, batch_size)
         if key not in self.medians:
             self.medians[key] = statistics.median(seconds for _, seconds in window)
         return self.medians[key]
+
+    def profiled(self, k: int, batch_size: int) -> float | None:
+        """k's round seconds in the profile, at the largest batch size timed up to this one."""
+        below = [b for b in self.profiled_sizes if b <= batch_size] or self.profiled_sizes[:1]
+        return self.profile.get((k, below[-1])) if below else None
+
+    def priced_seconds(self, k: int, batch_size: int) -> float | None:
+        """k's profiled seconds times the median of recent rounds' seconds over their own
+        profiled seconds at this batch size; None before such a round."""
+        profiled, ratios = self.profiled(k, batch_size), self.levels.get(batch_size)
+        if profiled is None or not ratios:
+            return None
+        if batch_size not in self.level_medians:
+            self.level_medians[batch_size] = statistics.median(ratios)
+        return profiled * self.level_medians[batch_size]
 
     def learn(self, observation: Observation) -> None:
         self.rounds += 1
@@ -139,6 +169,9 @@ class PositionalPolicy(Schedule):
             key = (observation.k, b)
             self.seconds.setdefault(key, deque(maxlen=WINDOW_ROUNDS)).append((served, observation.seconds))
             self.medians.pop(key, None)
+            if (profiled := self.profiled(observation.k, b)) is not None:
+                self.levels.setdefault(b, deque(maxlen=WINDOW_ROUNDS)).append(observation.seconds / profiled)
+                self.level_medians.pop(b, None)
 
     def observe(self, observation: Observation) -> Decision | None:
         if not observation.accepted:
@@ -150,7 +183,8 @@ class PositionalPolicy(Schedule):
             return self._serve_fastest(b, "batch")
         if self.trying:
             self.trying -= 1
-            self.trial = (self.trial[0] + observation.tokens, self.trial[1] + observation.seconds)
+            rounds, tokens, seconds = self.trial
+            self.trial = (rounds + 1, tokens + observation.tokens, seconds + observation.seconds)
             if self.trying:
                 return None
             self._space_tries(b, tried=observation.k)
@@ -179,7 +213,8 @@ class PositionalPolicy(Schedule):
         served say exactly, only while fewer than SHORTER_SAMPLES of its rounds are current, and
         at once, whatever is due, while none is."""
         here = self.serving
-        shorter = [k for k in self.candidates if k < here][::-1]
+        # A shorter k the profile prices needs no try: the rounds served already say its tokens.
+        shorter = [k for k in self.candidates if k < here and self.priced_seconds(k, b) is None][::-1]
         longer = [k for k in self.candidates if k > here][:1]
         for k in shorter + longer:
             current = len(self.recent_seconds(k, b))
@@ -187,7 +222,7 @@ class PositionalPolicy(Schedule):
             if (k < here and current >= SHORTER_SAMPLES) or (waiting and (k > here or current > 0)):
                 continue
             # From k = 0 the drafter catches up in its first round: a second one measures k.
-            self.trying, self.trial = (2 if here == 0 else 1), (0, 0.0)
+            self.trying, self.trial = (2 if here == 0 else 1), (0, 0, 0.0)
             self.due[(k, b)] = self.rounds + self.params.probe_interval  # until the try says
             return self.move(k, "probe")
         return None
@@ -200,7 +235,13 @@ class PositionalPolicy(Schedule):
         rate, seconds = self.rates(b).get(self.serving), self.median_seconds(self.serving, b)
         if rate is None or seconds is None:
             return
-        tokens, spent = self.trial
+        # A shorter k is charged the tokens it is expected to serve, which the rounds served say
+        # exactly, not what its single round happened to keep: a lucky round would call a k that
+        # loses on average free, and bring it back at once. A longer k is charged what its rounds
+        # kept: the positions beyond the k served are known only from tries, maybe long ago.
+        rounds, tokens, spent = self.trial
+        if tried < self.serving:
+            tokens = rounds * self.tokens(tried) * b
         lost = max(0.0, spent - tokens / rate)
         # Half the budget is the longer neighbour's; the shorter k's share the other half.
         share = self.params.exploration / 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.policy.contracts import Decision, Observation, snap
+from engine.policy.contracts import Decision, Observation, RoundProfile, snap
 from engine.policy.params import PolicyParams
 
 
@@ -21,8 +21,15 @@ class Schedule:
     # Whether the first decision comes as the warm-up ends, or one interval later (SGLang's).
     decides_at_warmup_end = False
 
-    def __init__(self, params: PolicyParams, initial_k: int | None = None, candidates: Seq[int] | None = None):
+    def __init__(
+        self,
+        params: PolicyParams,
+        initial_k: int | None = None,
+        candidates: Seq[int] | None = None,
+        profile: RoundProfile | None = None,
+    ):
         self.params = params
+        self.profile = dict(profile or {})  # what rounds cost before serving, where timed
         self.candidates = sorted(candidates if candidates is not None else params.candidate_k)
         self._k = snap(initial_k if initial_k is not None else self.candidates[-1], self.candidates)
         self.batches = 0  # rounds observed while drafting, towards warm-up and the next decision

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.policy.contracts import Decision, Observation, Policy
+from engine.policy.contracts import Decision, Observation, Policy, RoundProfile
 from engine.policy.ema import EmaPolicy
 from engine.policy.measured import MeasuredPolicy
 from engine.policy.params import PolicyParams
@@ -20,17 +20,18 @@ STRATEGIES: dict[str, type[EmaPolicy] | type[MeasuredPolicy] | type[PositionalPo
 class SlottedPolicy:
     """One inner policy per batch-size slot; the slot is the largest min_batch_size <= batch."""
 
-    def __init__(self, params: PolicyParams, initial_k: int | None = None):
+    def __init__(self, params: PolicyParams, initial_k: int | None = None, profile: RoundProfile | None = None):
         self.params = params
-        self.slots = self._build(params, initial_k)
+        self.profile = profile
+        self.slots = self._build(params, initial_k, profile)
         self.active = min(self.slots)
 
     @staticmethod
-    def _build(params: PolicyParams, initial_k: int | None) -> dict[int, Policy]:
+    def _build(params: PolicyParams, initial_k: int | None, profile: RoundProfile | None) -> dict[int, Policy]:
         slots = {s.min_batch_size: s.candidate_k for s in params.slots}
         slots.setdefault(1, params.candidate_k)
         make = STRATEGIES[params.strategy]
-        return {size: make(params, initial_k, ks) for size, ks in slots.items()}
+        return {size: make(params, initial_k, ks, profile) for size, ks in slots.items()}
 
     def slot_for(self, batch_size: int) -> int:
         return max((s for s in self.slots if s <= max(batch_size, 1)), default=min(self.slots))
@@ -64,7 +65,7 @@ class SlottedPolicy:
             # Another strategy or other slot boundaries: start afresh from the current k.
             current = self.k
             self.params = params
-            self.slots = self._build(params, current)
+            self.slots = self._build(params, current, self.profile)
             self.active = min(self.slots)
             return
         self.params = params
