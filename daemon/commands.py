@@ -93,7 +93,14 @@ class AdminCommands:
             "config_warnings": list(snapshot.warnings),
             "restart_required": list(last.restart_required),
             "runtime_states": [
-                {"k": s.k, "build_seconds": round(s.build_seconds, 4), "memory_bytes": s.memory_bytes}
+                {
+                    "k": s.k,
+                    "build_seconds": round(s.build_seconds, 4),
+                    "memory_bytes": s.memory_bytes,
+                    # what a round costs at each batch size, timed before serving: what the policy
+                    # prices a k it has not served lately by
+                    "round_ms": {str(b): round(seconds * 1e3, 3) for b, seconds in s.round_seconds.items()},
+                }
                 for s in engine.states
             ],
             "tokens_per_s": round(engine.tokens_per_s, 2),

@@ -140,12 +140,11 @@ def build_controller(
     if drafter is None:
         plain = replace(adaptive.policy, candidate_k=(0,), slots=())
         return Controller(engine, plain, adaptive=False, static_k=0, on_switch=on_switch)
-    profile = None
     if len(engine.states) > 1:
         # What each k costs at each batch size, so that a policy need not serve a k to price it.
         sizes = {1, batch} | {2**i for i in range(batch.bit_length()) if 2**i <= batch}
         with phase(f"time the rounds of k={sorted(engine.states)} at batch sizes {sorted(sizes)}"):
-            profile = engine.time_rounds(sizes)
+            engine.time_rounds(sizes)
     return Controller(
         engine,
         adaptive.policy,
@@ -153,7 +152,6 @@ def build_controller(
         static_k=adaptive.static_k,
         initial_k=adaptive.initial_k,
         on_switch=on_switch,
-        profile=profile,
     )
 
 

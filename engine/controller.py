@@ -74,13 +74,15 @@ class Controller:
         static_k: int | None = None,
         initial_k: int | None = None,
         on_switch: SwitchObserver | None = None,
-        profile: RoundProfile | None = None,
     ) -> None:
         self.engine = engine
         self.on_switch = on_switch  # called on the engine thread after every switch (metrics)
         self.params = params
-        self.profile = profile  # each state's round seconds, timed before serving (Engine.time_rounds)
-        self.policy: Policy = make_policy(params, initial_k, profile)
+        # What each state's rounds cost where the engine timed them before serving (time_rounds).
+        self.profile: RoundProfile = {
+            (k, b): seconds for k, state in engine.states.items() for b, seconds in state.round_seconds.items()
+        }
+        self.policy: Policy = make_policy(params, initial_k, self.profile)
         self.mode = "adaptive" if adaptive else "static"
         self.static_k = static_k if static_k is not None else self.policy.k
         self.pinned: int | None = None

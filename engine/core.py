@@ -67,6 +67,8 @@ class RuntimeState:
     memory_bytes: int
     stats: StateStats = field(default_factory=StateStats)
     graphs: GraphSet | None = None  # verify graphs of width k+1, one per batch-size bucket
+    # batch size -> the median seconds of a round, timed before serving (Engine.time_rounds)
+    round_seconds: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -224,7 +226,8 @@ class Engine:
     @torch.inference_mode()
     def time_rounds(self, batch_sizes: Iterable[int], rounds: int = 8) -> dict[tuple[int, int], float]:
         """The median seconds of a round at every built state and each batch size, timed before
-        serving on greedy requests of a fixed prompt, as (k, batch size) -> seconds.
+        serving on greedy requests of a fixed prompt, as (k, batch size) -> seconds; each state
+        keeps its own (`round_seconds`).
 
         Between rounds only, with nothing running: what the timed requests leave behind (round
         count, each state's stats, the lookup history) is put back. A hybrid drafter times its
@@ -260,7 +263,7 @@ class Engine:
                     while self.has_work:
                         self.step()
                     if times:
-                        seconds[k, batch_size] = statistics.median(times)
+                        seconds[k, batch_size] = self.states[k].round_seconds[batch_size] = statistics.median(times)
         finally:
             self.round, self.state = saved_round, saved_state
             for k, state in self.states.items():

@@ -58,6 +58,7 @@ class StateInfo:
     k: int
     build_seconds: float
     memory_bytes: int
+    round_seconds: dict[int, float]  # batch size -> a round's seconds, timed before serving
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class EngineLoop:
         controller, engine, stats = self.controller, self.engine, self.stats
         if len(self._states) != len(engine.states):  # states are only ever added
             built = sorted(engine.states.values(), key=lambda s: s.k)
-            self._states = tuple(StateInfo(s.k, s.build_seconds, s.memory_bytes) for s in built)
+            self._states = tuple(StateInfo(s.k, s.build_seconds, s.memory_bytes, dict(s.round_seconds)) for s in built)
         return EngineStatus(
             k=controller.k,
             mode=controller.mode_name,

@@ -195,6 +195,9 @@ def test_timing_every_state_before_serving_leaves_the_engine_as_it_found_it(pair
     assert engine.round == rounds and engine.state.k == 2 and not engine.has_work
     assert {k: (s.stats.rounds, s.stats.tokens) for k, s in engine.states.items()} == stats
     assert drafter.lookups.history.texts == history and drafter.lookups.enabled
+    assert engine.states[5].round_seconds == {1: profile[5, 1], 3: profile[5, 3]}
+    controller = Controller(engine, PolicyParams(strategy="positional", candidate_k=(0, 2, 5)))
+    assert controller.policy.profile == profile  # the policy prices every k by it from the start
     requests = [Request(tuple(p), params) for p in PROMPTS]
     outputs = engine.run_until_done(requests)
     assert [outputs[r.id] for r in requests] == expected

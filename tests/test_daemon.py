@@ -187,6 +187,9 @@ def test_ready_then_status_shows_the_running_state(daemon):
     assert status["k"] == 7 and status["generation"] == 1 and status["config_warnings"] == []
     assert [s["k"] for s in status["runtime_states"]] == [1, 3, 7]
     assert all(s["build_seconds"] > 0 for s in status["runtime_states"])
+    # max_batch_size 2: every state's round was timed at batch sizes 1 and 2 before serving
+    assert all(set(s["round_ms"]) == {"1", "2"} for s in status["runtime_states"])
+    assert all(ms > 0 for s in status["runtime_states"] for ms in s["round_ms"].values())
     assert status["last_reload"]["ok"] is True
     assert status["http"].startswith("127.0.0.1:") and not status["http"].endswith(":0")
     assert oct(daemon.socket.stat().st_mode & 0o777) == "0o600"

@@ -1,5 +1,5 @@
 """The positional strategy: what every k would serve, from how often each draft position is kept
-and what a round at each k costs, both counted on the rounds served."""
+on the rounds served and what a round at each k costs (timed before serving, then measured)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ PRIOR_WEIGHT = 2.0
 # Rounds a k's measured seconds stay current: what a round costs moves with the traffic too (the
 # context's length; a hybrid drafter's share of lookups), so k's are compared on recent rounds.
 FRESH_ROUNDS = 4 * HALF_LIFE_ROUNDS
-# A shorter k is tried only while fewer of its rounds than this are current: the rounds served say
-# its tokens exactly, so a try only measures its seconds, and their median wants a few.
+# A shorter k not timed before serving is tried only while fewer of its rounds than this are
+# current: the rounds served say its tokens exactly, so a try only measures its seconds, and
+# their median wants a few.
 SHORTER_SAMPLES = 8
 
 
@@ -34,13 +35,19 @@ class PositionalPolicy(Schedule):
     policy counts, at each draft position j, how many sequences reached j (their first j - 1
     drafts kept) and how many of those kept the j-th; the chance of keeping j drafts is the
     product of those ratios, and a k's tokens a round are 1 plus the sum of those chances up to
-    k. What is kept is shared by every batch size; a k's round seconds are the median of its own
-    recent rounds at each batch size. The policy serves the k with the most tokens a second (a
-    move must win by `switch_margin`). Positions beyond the k served are counted only on tries:
-    now and then a single round runs at the next longer k, as often as keeps what tries
-    lose (all they cost, a drafter catching up after k = 0 included) within `exploration` of the
-    serving time. A shorter k is tried only until a few of its rounds are current (its tokens
-    are known), and at once while none is: until then the policy cannot move there.
+    k. What is kept is shared by every batch size.
+
+    A k's round seconds at a batch size are the median of its own recent rounds there once they
+    fill a window. Before that, where the engine timed every k before serving (`profile`), they
+    are its timed seconds times how much dearer the live rounds are than their own timed seconds
+    (the contexts are longer): a single round is too noisy to set k's a few percent apart.
+
+    The policy serves the k with the most tokens a second (a move must win by `switch_margin`).
+    Positions beyond the k served are counted only on tries: now and then a single round runs at
+    the next longer k, as often as keeps what tries lose (all they cost, a drafter catching up
+    after k = 0 included) within `exploration` of the serving time. A shorter k that was timed is
+    never tried: its tokens and its seconds are known. One that was not is tried only until a few
+    of its rounds are current, and at once while none is: until then the policy cannot move there.
     """
 
     blind_at_zero = False
