@@ -241,13 +241,15 @@ class Engine:
         if lookups is not None:
             saved_history, lookups.history = lookups.history, None
             lookups.enabled = lookups is drafter
-        prompt = tuple(range(16, 48))  # any tokens: a round costs the same whatever they say
+        # Any tokens: a round costs the same whatever they say.
+        vocab, length = self.model.config.vocab_size, min(32, self.max_seq_len // 2)
+        prompt = tuple((16 + i) % vocab for i in range(length))
         seconds: dict[tuple[int, int], float] = {}
         try:
             for batch_size in sorted({min(b, self.max_batch_size) for b in batch_sizes}):
                 for k in sorted(self.states):
                     self.state = self.states[k]
-                    longest = min(self.max_seq_len - len(prompt), (rounds + 2) * (k + 1) + 1)
+                    longest = max(1, min(self.max_seq_len - len(prompt), (rounds + 2) * (k + 1) + 1))
                     params = SamplingParams(max_tokens=longest, ignore_eos=True)
                     for _ in range(batch_size):
                         self.add_request(Request(prompt, params))

@@ -218,3 +218,11 @@ def test_a_reload_to_another_strategy_starts_it_from_the_current_k(pair):
     assert isinstance(controller.policy, EmaPolicy) and controller.k == 7  # 5 snapped onto the ladder
     controller.apply(SetParams(replace(FAST, strategy="measured", candidate_k=(0, 2, 5))))
     assert isinstance(controller.policy, MeasuredPolicy) and controller.k == 5
+
+
+def test_timing_fits_any_vocabulary_and_a_short_max_seq_len(tiny_vocab_pair):
+    target, draft = tiny_vocab_pair  # 8 tokens; 16 positions: timed sequences end early
+    engine = Engine(target, DraftModelDrafter(draft, 2, 16), 2, 16, (0, 1, 3))
+    profile = engine.time_rounds([1, 2])
+    assert set(profile) == {(k, b) for k in (0, 1, 3) for b in (1, 2)}
+    assert not engine.has_work and engine.round == 0
