@@ -79,7 +79,8 @@ class PositionalPolicy(Schedule):
         # every k's profiled seconds now (longer contexts, another load on the machine)
         self.levels: dict[int, deque[float]] = {}
         self.level_medians: dict[int, float] = {}
-        self.profiled_sizes = sorted({b for _, b in self.profile})
+        self.timed_sizes = sorted({b for _, b in self.profile})
+        self.timed_size_for: dict[int, int] = {}  # batch size -> the timed batch size it is priced at
         self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
 
     @property
@@ -138,8 +139,13 @@ class PositionalPolicy(Schedule):
 
     def profiled(self, k: int, batch_size: int) -> float | None:
         """k's round seconds in the profile, at the largest batch size timed up to this one."""
-        below = [b for b in self.profiled_sizes if b <= batch_size] or self.profiled_sizes[:1]
-        return self.profile.get((k, below[-1])) if below else None
+        size = self.timed_size_for.get(batch_size)
+        if size is None:
+            if not self.timed_sizes:
+                return None
+            below = [b for b in self.timed_sizes if b <= batch_size] or self.timed_sizes[:1]
+            size = self.timed_size_for[batch_size] = below[-1]
+        return self.profile.get((k, size))
 
     def priced_seconds(self, k: int, batch_size: int) -> float | None:
         """k's profiled seconds times the median of recent rounds' seconds over their own
@@ -216,9 +222,9 @@ class PositionalPolicy(Schedule):
 
     def _try_other_k(self, b: int, unmeasured_only: bool = False) -> Decision | None:
         """A round at another k, if one is due: the longer neighbour of the k served, to count
-        the positions beyond it and measure its seconds; a shorter k, whose tokens the rounds
-        served say exactly, only while fewer than SHORTER_SAMPLES of its rounds are current, and
-        at once, whatever is due, while none is."""
+        the positions beyond it and measure its seconds; a shorter k that was not timed before
+        serving (its tokens the rounds served say exactly) only while fewer than SHORTER_SAMPLES
+        of its rounds are current, and at once, whatever is due, while none is."""
         here = self.serving
         # A shorter k the profile prices needs no try: the rounds served already say its tokens.
         shorter = [k for k in self.candidates if k < here and self.priced_seconds(k, b) is None][::-1]
