@@ -224,14 +224,18 @@ class Engine:
             self.model(self.model.batch(scratch, slots, tokens), scratch)
 
     @torch.inference_mode()
-    def time_rounds(self, batch_sizes: Iterable[int], rounds: int = 8) -> dict[tuple[int, int], float]:
+    def time_rounds(
+        self, batch_sizes: Iterable[int], rounds: int = 8, context: int = 256
+    ) -> dict[tuple[int, int], float]:
         """The median seconds of a round at every built state and each batch size, timed before
-        serving on greedy requests of a fixed prompt, as (k, batch size) -> seconds; each state
-        keeps its own (`round_seconds`).
+        serving, as (k, batch size) -> seconds; each state keeps its own (`round_seconds`).
 
-        Between rounds only, with nothing running: what the timed requests leave behind (round
-        count, each state's stats, the lookup history) is put back. A hybrid drafter times its
-        model: its lookups cost almost nothing, and no prompt says how often they will match."""
+        At each batch size the same greedy sequences (a fixed prompt of `context` tokens) run a
+        round at every k in turn, `rounds` times over, so that every k is timed on the same
+        contexts and any drift of the machine's speed falls on all of them alike. Between rounds
+        only, with nothing running: what the timed requests leave behind (round count, each
+        state's stats, the lookup history) is put back. A hybrid drafter times its model: its
+        lookups cost almost nothing, and no prompt says how often they will match."""
         if self.has_work:
             raise RuntimeError("time_rounds needs an idle engine")
         saved_round, saved_state = self.round, self.state
@@ -242,30 +246,39 @@ class Engine:
             saved_history, lookups.history = lookups.history, None
             lookups.enabled = lookups is drafter
         # Any tokens: a round costs the same whatever they say.
-        vocab, length = self.model.config.vocab_size, min(32, self.max_seq_len // 2)
+        vocab, length = self.model.config.vocab_size, min(context, self.max_seq_len // 2)
         prompt = tuple((16 + i) % vocab for i in range(length))
+        order = sorted(self.states)
+        longest = sum(k + 1 for k in order) * (rounds + 1) + 1
+        params = SamplingParams(max_tokens=max(1, min(self.max_seq_len - length, longest)), ignore_eos=True)
         seconds: dict[tuple[int, int], float] = {}
         try:
             for batch_size in sorted({min(b, self.max_batch_size) for b in batch_sizes}):
-                for k in sorted(self.states):
-                    self.state = self.states[k]
-                    longest = max(1, min(self.max_seq_len - len(prompt), (rounds + 2) * (k + 1) + 1))
-                    params = SamplingParams(max_tokens=longest, ignore_eos=True)
-                    for _ in range(batch_size):
-                        self.add_request(Request(prompt, params))
-                    self.step()  # prefill, and a first round that warms the shapes
-                    times = []
-                    while len(times) < rounds and self.running:
+                times: dict[int, list[float]] = {k: [] for k in order}
+                after_zero = False
+                for turn in range(2 * (rounds + 1)):
+                    if min(len(taken) for taken in times.values()) >= rounds:
+                        break
+                    if not self.running:  # new sequences: a short max_seq_len ends them early
+                        for _ in range(batch_size):
+                            self.add_request(Request(prompt, params))
+                        self.step()  # their prefill, and a round that warms the shapes
+                    # Each turn starts at another k, so that every k gets rounds before the
+                    # sequences end; a round after k = 0 is not timed (the drafter catches up).
+                    for k in order[turn % len(order) :] + order[: turn % len(order)]:
+                        self.state = self.states[k]
                         started = time.perf_counter()
                         result = self.step()
-                        if result.batch_size == batch_size:
-                            times.append(time.perf_counter() - started)
-                    for seq in self.running:
-                        self.cancel(seq.request.id)
-                    while self.has_work:
-                        self.step()
-                    if times:
-                        seconds[k, batch_size] = self.states[k].round_seconds[batch_size] = statistics.median(times)
+                        if result.batch_size == batch_size and not after_zero:
+                            times[k].append(time.perf_counter() - started)
+                        after_zero = k == 0
+                for seq in self.running:
+                    self.cancel(seq.request.id)
+                while self.has_work:
+                    self.step()
+                for k, taken in times.items():
+                    if taken:
+                        seconds[k, batch_size] = self.states[k].round_seconds[batch_size] = statistics.median(taken)
         finally:
             self.round, self.state = saved_round, saved_state
             for k, state in self.states.items():

@@ -197,7 +197,8 @@ def test_timing_every_state_before_serving_leaves_the_engine_as_it_found_it(pair
     assert drafter.lookups.history.texts == history and drafter.lookups.enabled
     assert engine.states[5].round_seconds == {1: profile[5, 1], 3: profile[5, 3]}
     controller = Controller(engine, PolicyParams(strategy="positional", candidate_k=(0, 2, 5)))
-    assert controller.policy.profile == profile  # the policy prices every k by it from the start
+    # The policy prices every k that drafts by it from the start (k = 0 by its own rounds).
+    assert controller.policy.profile == {(k, b): seconds for (k, b), seconds in profile.items() if k > 0}
     requests = [Request(tuple(p), params) for p in PROMPTS]
     outputs = engine.run_until_done(requests)
     assert [outputs[r.id] for r in requests] == expected

@@ -135,25 +135,28 @@ def profile_of(serve, scale: float = 1.0, batch_sizes=(1,)) -> dict[tuple[int, i
     return {(k, b): scale * serve(k, b, rng).round_seconds for k in LADDER.candidate_k for b in batch_sizes}
 
 
-def serve_counting_tries_down(policy: PositionalPolicy, serve, rounds: int) -> tuple[list[Observation], int]:
-    """Serve `rounds` rounds; also count the tries of a k shorter than the one served."""
-    rng, served, down = random.Random(0), [], 0
+def serve_counting_tries_down(policy: PositionalPolicy, serve, rounds: int) -> tuple[list[Observation], list[int]]:
+    """Serve `rounds` rounds; also list the k's tried that were shorter than the one served."""
+    rng, served, down = random.Random(0), [], []
     for _ in range(rounds):
         k = policy.k
         served.append(serve(k, 1, rng))
         decision = policy.observe(served[-1])
-        down += decision is not None and decision.reason == "probe" and decision.k < k
+        if decision is not None and decision.reason == "probe" and decision.k < k:
+            down.append(decision.k)
     return served, down
 
 
-def test_with_rounds_timed_before_serving_it_never_tries_a_shorter_k_and_climbs_sooner():
+def test_with_rounds_timed_before_serving_it_tries_no_shorter_k_but_zero_and_climbs_sooner():
     serve = traffic(0.9, draft_step=0.0001)  # drafting is cheap: k = 7 is clearly the best
     assert tokens_per_second(serve, 7, 1) > 1.04 * max(tokens_per_second(serve, k, 1) for k in range(6))
     served, tries_down = {}, {}
     for profile in (None, profile_of(serve, scale=0.6)):  # the timed contexts were shorter
         policy = PositionalPolicy(LADDER, profile=profile)
         served[profile is not None], tries_down[profile is not None] = serve_counting_tries_down(policy, serve, 600)
-    assert tries_down == {True: 0, False: tries_down[False]} and tries_down[False] > 0
+    # k = 0 runs no drafter: what drafting costs live only its own rounds say, so it is still tried.
+    assert set(tries_down[True]) == {0} and set(tries_down[False]) > {0}
+    assert len(tries_down[True]) < len(tries_down[False]) / 2
     first_at = {timed: next(i for i, o in enumerate(rounds) if o.k == 7) for timed, rounds in served.items()}
     assert first_at[True] < first_at[False]
     assert rate(served[True]) >= 0.98 * best_static(serve, 1)

@@ -40,14 +40,16 @@ class PositionalPolicy(Schedule):
     A k's round seconds at a batch size are the median of its own recent rounds there once they
     fill a window. Before that, where the engine timed every k before serving (`profile`), they
     are its timed seconds times how much dearer the live rounds are than their own timed seconds
-    (the contexts are longer): a single round is too noisy to set k's a few percent apart.
+    (the contexts are longer): a single round is too noisy to set k's a few percent apart. k = 0,
+    which runs no drafter, is priced by its own rounds only.
 
     The policy serves the k with the most tokens a second (a move must win by `switch_margin`).
     Positions beyond the k served are counted only on tries: now and then a single round runs at
     the next longer k, as often as keeps what tries lose (all they cost, a drafter catching up
     after k = 0 included) within `exploration` of the serving time. A shorter k that was timed is
-    never tried: its tokens and its seconds are known. One that was not is tried only until a few
-    of its rounds are current, and at once while none is: until then the policy cannot move there.
+    never tried: its tokens and its seconds are known. One that was not (k = 0 always) is tried
+    only until a few of its rounds are current, and at once while none is: until then the policy
+    cannot move there.
     """
 
     blind_at_zero = False
@@ -79,6 +81,10 @@ class PositionalPolicy(Schedule):
         # every k's profiled seconds now (longer contexts, another load on the machine)
         self.levels: dict[int, deque[float]] = {}
         self.level_medians: dict[int, float] = {}
+        # k = 0 is measured on its own rounds only: it runs no drafter, and what the drafter costs
+        # live (each new prompt taken in, catching up on kept drafts) no timing before serving
+        # can know, so its timed seconds would set drafting against not drafting wrongly.
+        self.profile = {(k, b): seconds for (k, b), seconds in self.profile.items() if k > 0}
         self.timed_sizes = sorted({b for _, b in self.profile})
         self.timed_size_for: dict[int, int] = {}  # batch size -> the timed batch size it is priced at
         self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
@@ -259,7 +265,7 @@ class PositionalPolicy(Schedule):
         # Half the budget is the longer neighbour's; the shorter k's share the other half.
         share = self.params.exploration / 2
         if tried < self.serving:
-            share /= sum(k < self.serving for k in self.candidates)
+            share /= sum(k < self.serving and self.priced_seconds(k, b) is None for k in self.candidates)
         spacing = lost / (share * seconds)
         spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
         self.due[(tried, b)] = self.rounds + int(spacing)
