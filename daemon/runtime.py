@@ -16,6 +16,7 @@ from engine.core import Engine
 from engine.dflash import DFlashDrafter, DFlashModel, HybridDFlashDrafter, load_dflash
 from engine.drafters import Drafter, make_drafter
 from engine.eagle3 import Eagle3Drafter, Eagle3Model, HybridEagle3Drafter, load_eagle3
+from engine.graphs import default_batch_sizes
 from engine.loop import EngineLoop, StepObserver
 
 # Wraps each slow phase of assembling an engine, named, so that start-up can report it.
@@ -142,8 +143,8 @@ def build_controller(
         return Controller(engine, plain, adaptive=False, static_k=0, on_switch=on_switch)
     if len(engine.states) > 1:
         # What each k costs at each batch size, so that a policy need not serve a k to price it.
-        sizes = {1, batch} | {2**i for i in range(batch.bit_length()) if 2**i <= batch}
-        with phase(f"time the rounds of k={sorted(engine.states)} at batch sizes {sorted(sizes)}"):
+        sizes = default_batch_sizes(batch)
+        with phase(f"time the rounds of k={sorted(engine.states)} at batch sizes {sizes}"):
             engine.time_rounds(sizes)
     return Controller(
         engine,
