@@ -31,6 +31,9 @@ typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias
 
 #define PANEL 64 /* output columns per weight panel: four vectors */
 #define TILE_ROWS 6 /* input rows per register tile: 24 accumulators */
+/* Input rows per tile of a bfloat16 or int8 panel, widened as it is read: eight rows spill a few
+ * of their 32 accumulators, yet a verify of up to 8 tokens then reads each weight once. */
+#define NARROW_TILE_ROWS 8
 
 enum { F32, BF16, INT8 }; /* how a Linear's panels are stored */
 
@@ -152,7 +155,7 @@ static inline vf widen8(const int8_t *p) {
 static inline __attribute__((always_inline)) void tile(
     const int rows, const int format, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
     const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
-    vf acc[TILE_ROWS][4];
+    vf acc[NARROW_TILE_ROWS][4];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};
     for (int i = 0; i < k; i++) {
@@ -177,6 +180,27 @@ static inline __attribute__((always_inline)) void tile(
             acc[m][3] += w3 * xs;
         }
     }
+    /* Whole vectors where nothing could be fused: a scaled sum that is then added to might become
+     * one multiply-add in some of tile's instances and not in others, and differ in its last bit. */
+    if (columns == PANEL && !(scale && (bias || accumulate))) {
+        vf scales[4], biases[4];
+        for (int v = 0; v < 4; v++) {
+            if (scale) scales[v] = *(const vf_unaligned *)(scale + 16 * v);
+            if (bias) biases[v] = *(const vf_unaligned *)(bias + 16 * v);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            for (int v = 0; v < 4; v++) {
+                vf value = acc[m][v];
+                if (scale) value *= scales[v];
+                if (bias) value += biases[v];
+                vf_unaligned *out = (vf_unaligned *)(y[m] + 16 * v);
+                if (accumulate) value = *out + value;
+                *out = value;
+            }
+        }
+        return;
+    }
     for (int m = 0; m < rows; m++) {
         float *out = y[m];
         for (int j = 0; j < columns; j++) {
@@ -195,10 +219,12 @@ static inline __attribute__((always_inline)) void tile(
         case 3: tile(3, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
         case 4: tile(4, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
         case 5: tile(5, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        default: tile(6, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;         \
+        case 6: tile(6, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
+        case 7: tile(7, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
+        default: tile(8, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;         \
     }
 
-/* `tile` for 1 to TILE_ROWS rows, each count compiled with its accumulators in registers. */
+/* `tile` for 1 to NARROW_TILE_ROWS rows, each count compiled with its accumulators in registers. */
 static void tile_rows(int rows, int format, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
                       const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
     if (format == BF16) {
@@ -216,12 +242,12 @@ static const void *panel_at(const Linear *w, int p) {
     return (const char *)w->panels + (int64_t)p * w->k * PANEL * bytes;
 }
 
-/* The panel to multiply by, and its format: a bfloat16 or int8 panel that serves more than three
- * tiles is widened once into `widened` ([k][PANEL] float32, the thread's own), the same values a
- * tile would widen (an int8 panel's still unscaled: the tile scales its sums either way). */
+/* The panel to multiply by, and its format: a bfloat16 or int8 panel that serves more than five
+ * tiles (a prompt's, not a verify's) is widened once into `widened` ([k][PANEL] float32, the
+ * thread's own), the same values a tile would widen (an int8 panel's still unscaled: the tile scales its sums either way). */
 static const void *panel_for(const Linear *w, int p, int rows, float *widened, int *format) {
     const void *panel = panel_at(w, p);
-    *format = rows <= 3 * TILE_ROWS ? w->format : F32;
+    *format = rows <= 5 * NARROW_TILE_ROWS ? w->format : F32;
     if (w->format == F32 || *format != F32) return panel;
     for (int64_t i = 0; i < (int64_t)w->k * PANEL; i += 16)
         *(vf_unaligned *)(widened + i) =
@@ -241,9 +267,10 @@ static void linear(const float *x, int rows, const Linear *w, float *y, int64_t 
         const int n0 = p * PANEL;
         const int columns = w->n - n0 < PANEL ? w->n - n0 : PANEL;
         const float *bias = w->bias ? w->bias + n0 : NULL, *scale = w->scale ? w->scale + n0 : NULL;
-        for (int m0 = 0; m0 < rows; m0 += TILE_ROWS) {
-            const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
-            float *out[TILE_ROWS];
+        const int step = format == F32 ? TILE_ROWS : NARROW_TILE_ROWS;
+        for (int m0 = 0; m0 < rows; m0 += step) {
+            const int mr = rows - m0 < step ? rows - m0 : step;
+            float *out[NARROW_TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = y + (index ? index[m0 + m] : m0 + m) * ldy + n0;
             tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, scale, bias, columns, out,
                       accumulate);
@@ -275,9 +302,10 @@ static void linear_glu(const float *x, int rows, const Linear *w, float *act, in
         const int n0 = p * half, columns = inter - n0 < half ? inter - n0 : half;
         const float *bias = w->bias ? w->bias + (int64_t)p * PANEL : NULL;
         const float *scale = w->scale ? w->scale + (int64_t)p * PANEL : NULL;
-        for (int m0 = 0; m0 < rows; m0 += TILE_ROWS) {
-            const int mr = rows - m0 < TILE_ROWS ? rows - m0 : TILE_ROWS;
-            float products[TILE_ROWS][PANEL], *out[TILE_ROWS];
+        const int step = format == F32 ? TILE_ROWS : NARROW_TILE_ROWS;
+        for (int m0 = 0; m0 < rows; m0 += step) {
+            const int mr = rows - m0 < step ? rows - m0 : step;
+            float products[NARROW_TILE_ROWS][PANEL], *out[NARROW_TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = products[m];
             tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, scale, bias, PANEL, out, 0);
             for (int m = 0; m < mr; m++) {
