@@ -227,3 +227,25 @@ def test_modes_side_by_side_take_turns_at_going_first():
     turns = [order[:4], order[4:8]] + [order[i : i + 3] for i in range(8, 20, 3)]
     assert [turn[0] for turn in turns] == ["a", "b", "c", "a", "b", "c"]
     assert all(sorted(turn) == sorted(set(turn)) for turn in turns)  # each mode once a turn
+
+
+def test_the_kernels_bench_says_whether_another_build_gives_the_same_logits(tmp_path, monkeypatch):
+    from bench.kernels import build, same_logits
+    from engine import native
+    from tests.conftest import DEFAULT_TARGET
+
+    if native.library() is None:
+        pytest.skip(f"no compiled forward here: {native.problem()}")
+    monkeypatch.setenv("ADASPEC_CACHE_DIR", str(tmp_path / "cache"))  # the two builds stay in the test's folder
+    source = native.SOURCE.read_text()
+    scale = "const float scale = 1.0f / sqrtf((float)dim);"
+    assert scale in source
+    copies = {"same": source, "changed": source.replace(scale, scale.replace("1.0f", "1.01f"))}
+    checkout = load_checkpoint(DEFAULT_TARGET, dtype="bfloat16").model
+    agrees = {}
+    for name, text in copies.items():
+        (tmp_path / f"{name}.c").write_text(text)
+        other = load_checkpoint(DEFAULT_TARGET, dtype="bfloat16").model
+        other.native = native.NativeForward(other, build(tmp_path / f"{name}.c"))
+        agrees[name] = same_logits(checkout, other)
+    assert agrees == {"same": True, "changed": False}
