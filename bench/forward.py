@@ -37,6 +37,8 @@ SHAPES = [
     ("decode, batch 1", 1, 1, 300, 100),
     ("verify of 6, batch 1", 1, 6, 300, 50),
     ("verify of 8, batch 1", 1, 8, 300, 50),
+    ("decode, batch 4", 4, 1, 300, 50),
+    ("verify of 6 a row, batch 4", 4, 6, 300, 20),
     ("decode, batch 8", 8, 1, 300, 50),
     ("verify of 4 a row, batch 8", 8, 4, 300, 20),
     ("prefill of 350", 1, 350, 0, 3),

@@ -3,10 +3,11 @@
     git show HEAD~1:engine/kernels.c > /tmp/before.c
     python -m bench.kernels /tmp/before.c [--model models/target] [--dtype bfloat16] [--repeats 7]
 
-Two copies of the model, one forward through each build, shape by shape and repeat by repeat, so
-the machine's drift lands on both; prints the median ms of each and the checkout's speed-up
-(another build loads beside the checkout's: only their sources differ). Also says whether the two
-builds give the same logits bit for bit, which a change of speed alone should keep.
+Two copies of the model, one forward through each build, on `bench.forward`'s shapes, shape by
+shape and repeat by repeat, so the machine's drift lands on both; prints the median ms of each and
+the checkout's speed-up (another build loads beside the checkout's: only their sources differ).
+Also says whether the two builds give the same logits bit for bit, which a change of speed alone
+should keep.
 """
 
 from __future__ import annotations
@@ -17,21 +18,10 @@ from pathlib import Path
 
 import torch
 
-from bench.forward import time_forward
+from bench.forward import SHAPES, time_forward
 from engine import native
 from engine.checkpoint import load_checkpoint
 from engine.model import Transformer
-
-# name, rows, new tokens a row, cached tokens a row, timed forwards
-SHAPES = [
-    ("decode, batch 1", 1, 1, 300, 200),
-    ("verify of 6, batch 1", 1, 6, 300, 100),
-    ("verify of 8, batch 1", 1, 8, 300, 100),
-    ("decode, batch 4", 4, 1, 300, 100),
-    ("verify of 6 a row, batch 4", 4, 6, 300, 40),
-    ("decode, batch 8", 8, 1, 300, 100),
-    ("prefill of 350", 1, 350, 0, 5),
-]
 
 
 def build(source: Path) -> native.ctypes.CDLL:
