@@ -6,6 +6,7 @@ import random
 from dataclasses import replace
 
 from engine.policy import Observation, PolicyParams, PositionalPolicy, make_policy
+from engine.policy import positional as policy_module
 from tests.test_policy_measured import best_static, rate, run, tokens_per_second, traffic
 
 LADDER = PolicyParams(strategy="positional", candidate_k=(0, 1, 2, 3, 4, 5, 7))
@@ -176,3 +177,21 @@ def test_a_k_timed_before_serving_is_priced_at_the_level_of_the_live_rounds():
         policy.learn(Observation(5, (5,), (5,), round_seconds=0.009))
     assert abs(policy.median_seconds(5, 1) - 0.009) < 1e-9
     assert abs(policy.median_seconds(3, 1) - 0.004 * 0.009 / 0.005) < 1e-9
+
+
+def test_a_shorter_k_far_behind_is_measured_on_a_round_now_and_then_not_on_a_full_median():
+    serve = traffic(0.85)
+    assert tokens_per_second(serve, 0, 1) < 0.8 * best_static(serve, 1)  # not drafting is far behind
+    tries = {}
+    for far in (0.1, 1.0):  # 1.0: never far behind, as before
+        policy = PositionalPolicy(LADDER, profile=profile_of(serve))
+        policy_module.FAR_BEHIND, saved = far, policy_module.FAR_BEHIND
+        try:
+            served, down = serve_counting_tries_down(policy, serve, 3000)
+        finally:
+            policy_module.FAR_BEHIND = saved
+        tries[far] = down.count(0)
+        assert rate(served[-1000:]) >= 0.97 * best_static(serve, 1)
+    windows = 3000 / policy_module.FRESH_ROUNDS
+    assert windows <= tries[0.1] + 1 <= 2 * windows + 1  # about one round a window of current rounds
+    assert tries[1.0] > 3 * tries[0.1]

@@ -25,6 +25,10 @@ FRESH_ROUNDS = 4 * HALF_LIFE_ROUNDS
 # current: the rounds served say its tokens exactly, so a try only measures its seconds, and
 # their median wants a few.
 SHORTER_SAMPLES = 8
+# ... unless its rate on those rounds is this much below the k served's: then one current round is
+# enough, as a round's seconds vary by less (6 to 9% median absolute deviation) and more of them
+# would not make it win.
+FAR_BEHIND = 0.1
 
 
 class PositionalPolicy(Schedule):
@@ -48,8 +52,8 @@ class PositionalPolicy(Schedule):
     the next longer k, as often as keeps what tries lose (all they cost, a drafter catching up
     after k = 0 included) within `exploration` of the serving time. A shorter k that was timed is
     never tried: its tokens and its seconds are known. One that was not (k = 0 always) is tried
-    only until a few of its rounds are current, and at once while none is: until then the policy
-    cannot move there.
+    only until a few of its rounds are current (one, while those say it is far behind), and at once
+    while none is: until then the policy cannot move there.
     """
 
     blind_at_zero = False
@@ -238,13 +242,19 @@ class PositionalPolicy(Schedule):
         for k in shorter + longer:
             current = len(self.recent_seconds(k, b))
             waiting = self.rounds < self.due.get((k, b), 0) or (unmeasured_only and current > 0)
-            if (k < here and current >= SHORTER_SAMPLES) or (waiting and (k > here or current > 0)):
+            enough = 1 if k < here and self._far_behind(k, b) else SHORTER_SAMPLES
+            if (k < here and current >= enough) or (waiting and (k > here or current > 0)):
                 continue
             # From k = 0 the drafter catches up in its first round: a second one measures k.
             self.trying, self.trial = (2 if here == 0 else 1), (0, 0, 0.0)
             self.due[(k, b)] = self.rounds + self.params.probe_interval  # until the try says
             return self.move(k, "probe")
         return None
+
+    def _far_behind(self, k: int, b: int) -> bool:
+        """Whether k serves FAR_BEHIND fewer tokens a second than the k served, on what is current."""
+        rates = self.rates(b)
+        return k in rates and self.serving in rates and rates[k] < (1 - FAR_BEHIND) * rates[self.serving]
 
     def _space_tries(self, b: int, tried: int) -> None:
         """Put off the next try of `tried` by what this one lost against the k served, so that tries
