@@ -26,12 +26,7 @@ from engine.model import Transformer
 
 def build(source: Path) -> native.ctypes.CDLL:
     """The kernels compiled from `source` (cached by its text, as the checkout's are)."""
-    saved = native.SOURCE
-    native.SOURCE = source
-    try:
-        return native._load(native._build())
-    finally:
-        native.SOURCE = saved
+    return native._load(native._build(source))
 
 
 @torch.inference_mode()

@@ -192,7 +192,8 @@ def problem() -> str | None:
     return _problem
 
 
-def _build() -> Path:
+def _build(source: Path = SOURCE) -> Path:
+    """The kernels compiled from `source`, cached by its text, the compiler and the CPU."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
@@ -200,7 +201,7 @@ def _build() -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as err:
         raise RuntimeError(f"the C compiler {compiler!r} does not run ({err})") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
     target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -209,9 +210,9 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(source), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-400:]}")
+            raise RuntimeError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-400:]}")
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
