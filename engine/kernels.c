@@ -224,6 +224,9 @@ static inline __attribute__((always_inline)) void tile(
         default: tile(8, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;         \
     }
 
+/* Input rows per tile for a panel in `format`. */
+static inline int tile_depth(int format) { return format == F32 ? TILE_ROWS : NARROW_TILE_ROWS; }
+
 /* `tile` for 1 to NARROW_TILE_ROWS rows, each count compiled with its accumulators in registers. */
 static void tile_rows(int rows, int format, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
                       const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
@@ -244,7 +247,8 @@ static const void *panel_at(const Linear *w, int p) {
 
 /* The panel to multiply by, and its format: a bfloat16 or int8 panel that serves more than five
  * tiles (a prompt's, not a verify's) is widened once into `widened` ([k][PANEL] float32, the
- * thread's own), the same values a tile would widen (an int8 panel's still unscaled: the tile scales its sums either way). */
+ * thread's own), the same values a tile would widen (an int8 panel's still unscaled: the tile
+ * scales its sums either way). */
 static const void *panel_for(const Linear *w, int p, int rows, float *widened, int *format) {
     const void *panel = panel_at(w, p);
     *format = rows <= 5 * NARROW_TILE_ROWS ? w->format : F32;
@@ -267,7 +271,7 @@ static void linear(const float *x, int rows, const Linear *w, float *y, int64_t 
         const int n0 = p * PANEL;
         const int columns = w->n - n0 < PANEL ? w->n - n0 : PANEL;
         const float *bias = w->bias ? w->bias + n0 : NULL, *scale = w->scale ? w->scale + n0 : NULL;
-        const int step = format == F32 ? TILE_ROWS : NARROW_TILE_ROWS;
+        const int step = tile_depth(format);
         for (int m0 = 0; m0 < rows; m0 += step) {
             const int mr = rows - m0 < step ? rows - m0 : step;
             float *out[NARROW_TILE_ROWS];
@@ -302,7 +306,7 @@ static void linear_glu(const float *x, int rows, const Linear *w, float *act, in
         const int n0 = p * half, columns = inter - n0 < half ? inter - n0 : half;
         const float *bias = w->bias ? w->bias + (int64_t)p * PANEL : NULL;
         const float *scale = w->scale ? w->scale + (int64_t)p * PANEL : NULL;
-        const int step = format == F32 ? TILE_ROWS : NARROW_TILE_ROWS;
+        const int step = tile_depth(format);
         for (int m0 = 0; m0 < rows; m0 += step) {
             const int mr = rows - m0 < step ? rows - m0 : step;
             float products[NARROW_TILE_ROWS][PANEL], *out[NARROW_TILE_ROWS];
