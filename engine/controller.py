@@ -128,7 +128,8 @@ class Controller:
     def _apply(self, message: Message) -> str:
         if isinstance(message, Pin):
             self._require_state(message.k)
-            self.pinned = message.k
+            # A force not yet run is overridden: unpin resumes adapting from the pinned k.
+            self.pinned, self.forced = message.k, None
             return "pin"
         if isinstance(message, Unpin):
             if self.pinned is not None:

@@ -114,6 +114,17 @@ def test_force_switches_at_the_next_boundary_then_adapts_again(pair):
     assert controller.mode_name == "adaptive"
 
 
+def test_a_pin_overrides_a_force_not_yet_run_and_unpin_adapts_from_the_pinned_k(pair):
+    # On an idle daemon no round runs between an operator's commands.
+    controller = make(pair)
+    assert controller.apply(Force(1)).mode == "forced"
+    assert controller.apply(Pin(3)).mode == "pinned"
+    ack = controller.apply(Unpin())
+    assert (ack.k, ack.mode) == (3, "adaptive")
+    controller.engine.add_request(Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=20, ignore_eos=True)))
+    assert controller.step().k == 3
+
+
 def test_pin_to_a_k_without_runtime_state_is_refused_and_nothing_changes(pair):
     controller = make(pair, steps=(1, 3, 7))
     before = controller.k
