@@ -43,6 +43,8 @@ START_TIMEOUT_EXTENSION_S = 120.0
 STATUS_INTERVAL_S = 2.0
 PR_SET_NAME = 15  # prctl(2): set the calling thread's name
 WATCH_DEBOUNCE_MS = 100
+# Past the drain deadline, how long the requests the engine ended have to tell their clients so.
+CUT_OFF_GRACE_S = 2.0
 
 
 class Daemon:
@@ -140,17 +142,26 @@ class Daemon:
                 self.stopping.set()
 
     async def _drain(self) -> None:
-        """Admit nothing new; let in-flight requests finish, up to the configured deadline."""
+        """Admit nothing new; let in-flight requests finish, up to the configured deadline. Past
+        it, the engine ends those left, and each client is told so before the server closes."""
         assert self.loop is not None
         self.loop.drain()
         deadline = self.snapshot.shutdown.drain_timeout_s
-        with anyio.move_on_after(deadline, shield=True) as scope:
+        if await self._in_flight_done(deadline):
+            log.info("drained")
+            return
+        log.warning("drain deadline passed", in_flight=self.loop.in_flight, deadline_s=deadline, action="ending them")
+        self.loop.cancel_all()
+        if not await self._in_flight_done(CUT_OFF_GRACE_S):
+            log.warning("requests still in flight after they were ended", in_flight=self.loop.in_flight)
+
+    async def _in_flight_done(self, seconds: float) -> bool:
+        """Whether every request in flight has finished within `seconds`."""
+        assert self.loop is not None
+        with anyio.move_on_after(seconds, shield=True):
             while self.loop.in_flight:
                 await anyio.sleep(0.02)
-        if scope.cancelled_caught:
-            log.warning("drain deadline passed", in_flight=self.loop.in_flight, deadline_s=deadline)
-        else:
-            log.info("drained")
+        return not self.loop.in_flight
 
     async def _stop_engine(self) -> int:
         assert self.loop is not None and self.thread is not None

@@ -230,6 +230,8 @@ class OpenAIApi:
             tg.cancel_scope.cancel()
         if finish_reason is None:
             return Response(status_code=CLIENT_CLOSED)
+        if finish_reason == "cancelled":  # not by the client, who would be gone: the daemon is stopping
+            raise _shut_down()
         usage = Usage(prompt_tokens, submission.tokens)
         return JSONResponse(reply.response(text.text, finish_reason, usage, submission.stats()))
 
@@ -246,6 +248,10 @@ class OpenAIApi:
                 piece = text.push(out.new_tokens, final=finish_reason is not None)
                 if piece:
                     yield _sse(reply.chunk(piece, usage=include_usage))
+            if finish_reason == "cancelled":  # not by the client, who would be gone: the daemon is stopping
+                yield _sse(_shut_down().body())
+                yield "data: [DONE]\n\n"
+                return
             last = reply.chunk(finish_reason=finish_reason, usage=include_usage)
             if include_usage:
                 yield _sse(last)
@@ -315,6 +321,11 @@ def _sse(body: dict[str, Any]) -> str:
 
 def _unavailable(message: str, code: str) -> ApiError:
     return ApiError(503, message, type="server_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _shut_down() -> ApiError:
+    """What a client whose request the daemon ended at its drain deadline is told."""
+    return _unavailable("the server shut down before this request finished; retry it", "shutdown")
 
 
 async def _api_error(http: HttpRequest, err: Exception) -> Response:

@@ -41,6 +41,11 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class CancelAll:
+    """Every request in flight, queued or running (the drain deadline has passed)."""
+
+
+@dataclass(frozen=True)
 class BuildState:
     k: int
 
@@ -50,7 +55,7 @@ class Stop:
     pass
 
 
-Command = Submit | Cancel | BuildState | Stop | Message
+Command = Submit | Cancel | CancelAll | BuildState | Stop | Message
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,10 @@ class EngineLoop:
     def cancel(self, request_id: str) -> Future[Ack]:
         return self.send(Cancel(request_id))
 
+    def cancel_all(self) -> Future[Ack]:
+        """End every request in flight at the next boundary: its last output says "cancelled"."""
+        return self.send(CancelAll())
+
     def pin(self, k: int) -> Future[Ack]:
         return self.send(Pin(k))
 
@@ -210,6 +219,9 @@ class EngineLoop:
         elif isinstance(command, Cancel):
             if command.request_id in self._callbacks:
                 self.engine.cancel(command.request_id)
+        elif isinstance(command, CancelAll):
+            for request_id in self._callbacks:
+                self.engine.cancel(request_id)
         elif isinstance(command, BuildState):
             state = self.engine.build_state(command.k)
             log.info("runtime state built", k=state.k, build_seconds=round(state.build_seconds, 4))

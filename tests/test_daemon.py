@@ -46,6 +46,9 @@ port = 0  # several daemons run at once: each on a free port, read back from `ad
 [logging]
 level = "info"
 format = "json"
+
+[shutdown]
+{shutdown}
 """
 
 
@@ -114,10 +117,16 @@ class Daemon:
 
 
 def start_daemon(
-    folder: Path, *, max_batch_size: int = 2, server: str = "", engine: str = "", target: Path = DEFAULT_TARGET
+    folder: Path,
+    *,
+    max_batch_size: int = 2,
+    server: str = "",
+    engine: str = "",
+    shutdown: str = "",
+    target: Path = DEFAULT_TARGET,
 ) -> Daemon:
-    """Start the daemon on the default models (or `target`); `server` and `engine`: extra lines
-    for those sections."""
+    """Start the daemon on the default models (or `target`); `server`, `engine` and `shutdown`:
+    extra lines for those sections."""
     run_dir = folder / "run"
     config = folder / "config.toml"
     sock = run_dir / "admin.sock"
@@ -129,6 +138,7 @@ def start_daemon(
             max_batch_size=max_batch_size,
             server=server,
             engine=engine,
+            shutdown=shutdown,
         )
     )
     notify_path = folder / "notify.sock"

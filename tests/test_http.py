@@ -312,6 +312,29 @@ def test_sigterm_refuses_new_requests_and_lets_in_flight_ones_finish(small):
     assert small.process.wait(30) == 0
 
 
+def test_requests_left_at_the_drain_deadline_are_ended_with_an_error_the_client_can_read():
+    # A deadline far shorter than the two long requests: they are still running when it passes.
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    daemon = start_daemon(folder, shutdown="drain_timeout_s = 0.05")
+    url = daemon.url
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "temperature": 1.0}
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as response:
+            lines = response.iter_lines()
+            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            assert next(lines).startswith("data: ")
+            daemon.wait_for(lambda: daemon.status()["in_flight"] == 2, 10, "both requests to be in flight")
+            daemon.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert_openai_error(whole.result(), 503, "shutdown")
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "shutdown" and "shut down before this request finished" in error["message"]
+    assert daemon.process.wait(30) == 0
+    assert daemon.events("drain deadline passed") and not daemon.events("request failed")
+    daemon.notify.close()
+
+
 KEY = "sk-adaspec-test-0123"
 
 
