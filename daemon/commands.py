@@ -71,8 +71,10 @@ class AdminCommands:
         engine = self.loop.status  # published by the engine thread: never its live fields
         snapshot = self.reloader.snapshot
         last = self.reloader.last
+        drafter = self.loop.engine.drafter  # chosen at start-up, never changed while serving
         return {
             "state": "serving",
+            "drafter": drafter.name if drafter is not None else "none",
             "k": engine.k,
             "mode": engine.mode,
             "strategy": engine.params.strategy,

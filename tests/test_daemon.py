@@ -193,7 +193,7 @@ def rewrite(config: Path, old: str, new: str, by_rename: bool = False) -> None:
 
 def test_ready_then_status_shows_the_running_state(daemon):
     status = daemon.status()
-    assert status["mode"] == "adaptive" and status["strategy"] == "ema"
+    assert status["mode"] == "adaptive" and status["strategy"] == "ema" and status["drafter"] == "hybrid"
     assert status["k"] == 7 and status["generation"] == 1 and status["config_warnings"] == []
     assert [s["k"] for s in status["runtime_states"]] == [1, 3, 7]
     assert all(s["build_seconds"] > 0 for s in status["runtime_states"])
