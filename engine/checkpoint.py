@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from engine import native
-from engine.config import CheckpointError, ModelConfig
+from engine.config import CheckpointError, ModelConfig, weight_shapes
 from engine.device import resolve_device, resolve_dtype
 from engine.model import Transformer, can_pack_linears
 
@@ -99,8 +99,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{index}: shard {file.name} is missing")
         return files
     if single.exists():
-        with safe_open(single, framework="pt") as handle:
-            return {name: single for name in handle.keys()}
+        return {name: single for name in weight_shapes(single)}
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -164,6 +166,16 @@ DRAFT_QUANTIZATIONS = ("int8", "none")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
+def weight_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors a safetensors file holds and their shapes, read from its header alone;
+    CheckpointError naming the file where it cannot be read (cut short, empty, not safetensors)."""
+    try:
+        with safe_open(file, framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
+
+
 def inspect_checkpoint(path: Path) -> ModelConfig:
     """What a checkpoint directory holds, read without loading its weights: its config, once
     `config.json`, weights and `tokenizer.json` are found (CheckpointError naming what is not)."""
@@ -176,6 +188,8 @@ def inspect_checkpoint(path: Path) -> ModelConfig:
         missing.append(" or ".join(WEIGHT_FILES))
     if missing:
         raise CheckpointError(f"{path}: not a checkpoint directory, missing {', '.join(missing)}")
+    if (path / "model.safetensors").is_file():
+        weight_shapes(path / "model.safetensors")
     return ModelConfig.from_file(path / "config.json")
 
 
@@ -291,6 +305,7 @@ def read_drafter_config(path: Path, kind: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no such directory")
     if not (path / "model.safetensors").is_file():
         raise CheckpointError(f"{path}: not {kind} checkpoint, missing model.safetensors")
+    weight_shapes(path / "model.safetensors")
     try:
         raw = json.loads((path / "config.json").read_text())
     except FileNotFoundError:

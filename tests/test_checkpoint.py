@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import native
 from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.config import CheckpointError
+from engine.config import CheckpointError, inspect_checkpoint
 from engine.device import DeviceError, resolve_device
 from engine.model import ForwardBatch, Linear
 from tests.conftest import save_tiny, tiny_hf_model
@@ -81,6 +81,16 @@ def test_missing_directory_and_tokenizer(tmp_path, tiny_dir):
     (tiny_dir / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: not found"):
         load_checkpoint(tiny_dir)
+
+
+def test_a_weights_file_cut_short_is_named_before_anything_loads(tiny_dir):
+    weights = tiny_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy that stopped early
+    for read in (load_checkpoint, inspect_checkpoint):
+        with pytest.raises(
+            CheckpointError, match=r"model\.safetensors: not a readable safetensors file \(.*not fully covered"
+        ):
+            read(tiny_dir)
 
 
 def test_save_then_load_round_trips_in_bf16(tmp_path, tiny_dir):

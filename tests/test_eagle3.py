@@ -691,6 +691,10 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
     (tmp_path / "head" / "config.json").write_text(json.dumps({**raw, "vocab_size": 10}))
     with pytest.raises(ConfigError, match="engine.eagle3: .*does not fit the target: vocabulary of 10"):
         load_config(config, check_models=True)
+    (tmp_path / "head" / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "head" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"engine.eagle3: .*model\.safetensors: not a readable safetensors file"):
+        load_config(config, check_models=True)
 
 
 @pytest.mark.parametrize(
