@@ -702,7 +702,11 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
     [
         (["--greedy-weight", "1.5"], "--greedy-weight must be between 0 and 1, not 1.5"),
         (["--time-budget", "-5"], "--time-budget must be 0 (train --steps) or a number of seconds, not -5.0"),
-        (["--intermediate-size", "-1"], "--intermediate-size must be positive (0: the target's), not -1"),
+        (["--intermediate-size", "-1"], "argument --intermediate-size: must be at least 0, not -1"),
+        (["--chains", "0"], "argument --chains: must be at least 1, not 0"),
+        (["--lr", "-1"], "argument --lr: must be above 0, not -1"),
+        (["--regenerate", "-3"], "argument --regenerate: must be at least 0, not -3"),
+        (["--seq-len", "5"], "--seq-len must be above --unroll + 1 (8), not 5"),
         (["--sampled-share", "2"], "--sampled-share must be between 0 and 1, not 2.0"),
         (["--sample-temperature", "0"], "--sample-temperature must be above 0, not 0.0"),
     ],
@@ -713,6 +717,28 @@ def test_the_training_script_names_an_option_out_of_range(tmp_path, option, name
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and named in done.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "script, option, named",
+    [
+        ("train_eagle3.py", ["--taps", "99", "0", "1"], "taps [99] outside the target's layers 0..7"),
+        ("train_eagle3.py", ["--lr", "1e30", "--steps", "5"], "try a lower --lr"),
+        ("train_eagle3.py", ["--data", "/nowhere"], "/nowhere: no such file or folder"),
+        ("train_dflash.py", ["--mask-token", "999999"], "mask token id 999999 outside the vocabulary"),
+        ("train_dflash.py", ["--taps", "99"], "--taps 99: the target has 8 layers to tap"),
+        ("train_dflash.py", ["--lr", "1e30", "--steps", "5"], "try a lower --lr"),
+    ],
+)
+def test_a_training_run_that_cannot_give_a_drafter_stops_with_a_line_saying_why(tmp_path, script, option, named):
+    # A loss that is no longer a number stops the run before a drafter of NaN weights is saved.
+    (tmp_path / "data.txt").write_text(" ".join(f"w{i % 37}" for i in range(400)))
+    out = tmp_path / "drafter"
+    command = [sys.executable, f"tools/{script}", "models/target", str(out), "--seq-len", "40", "--batch", "2"]
+    command += ["--prompts", "0", "--data", str(tmp_path / "data.txt"), *option]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and named in done.stderr and "Traceback" not in done.stderr
+    assert not (out / "model.safetensors").exists()
 
 
 def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
@@ -737,6 +763,15 @@ def test_the_training_script_runs_end_to_end_and_its_loss_falls(pair, tmp_path):
     assert head.config.sliding_window == 40  # no further back at inference than its training sequences
     resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "resuming at step 60" in resumed.stderr
+    # The same --work, other options: its checkpoint and its sequences are named, not loaded.
+    other = subprocess.run(command + ["--draft-vocab", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 1 and f"{work / 'state.pt'}: left by a run with other options" in other.stderr
+    longer = [*command, "--seq-len", "48"]
+    other = subprocess.run(longer, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert (
+        other.returncode == 1
+        and f"{work / 'greedy.pt'}: holds sequences of 40 tokens, not --seq-len 48" in other.stderr
+    )
 
     # A head over the 16 most frequent tokens, started from the first one's rows for them.
     reduced = tmp_path / "reduced"

@@ -39,6 +39,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,6 +48,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
+from engine.config import CheckpointError, dflash_problems  # noqa: E402
+from engine.device import DeviceError  # noqa: E402
 from engine.dflash import (  # noqa: E402
     DFlashConfig,
     DFlashDrafter,
@@ -59,11 +62,80 @@ from engine.drafters import Drafter  # noqa: E402
 from engine.model import Transformer  # noqa: E402
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer no less than `low`."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+
+    return integer
+
+
+def above_zero(text: str) -> float:
+    """An argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def fits_target(problems: list[str]) -> None:
+    """Stop before training a drafter whose options do not fit the target (what the loader checks)."""
+    if problems:
+        raise SystemExit("the options give a drafter that does not fit the target: " + "; ".join(problems))
+
+
+def finite(loss: float, step: int) -> float:
+    """`loss`, or a stop before a drafter of NaN weights is saved."""
+    if not math.isfinite(loss):
+        raise SystemExit(
+            f"the loss is {loss} at step {step}: nothing is saved past the last checkpoint; try a lower --lr"
+        )
+    return loss
+
+
+def resumed(load: Callable[[], None], resume: Path) -> None:
+    """Load a checkpoint of --work, or stop with what to do where an earlier run with other
+    options left it."""
+    try:
+        load()
+    except (RuntimeError, ValueError, KeyError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)]
+        first = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]  # torch's heading, then the detail
+        raise SystemExit(
+            f"{resume}: left by a run with other options ({first}); delete {resume.parent} or pass another --work"
+        ) from None
+
+
+def run(main: Callable[[], None]) -> None:
+    """`main`, what stops it said in a line instead of a traceback: a checkpoint or device that
+    cannot serve, a path that cannot be read or written, an interrupt (the same command resumes)."""
+    name = Path(sys.argv[0]).name
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; the same command resumes from the last checkpoint in --work", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (CheckpointError, DeviceError, OSError) as err:
+        raise SystemExit(f"{name}: {err}") from None
+
+
 def text_files(paths: list[Path], exclude: tuple[str, ...] = ()) -> list[Path]:
     """The .py files of `paths` (files or folders), leaving out those under a folder named in
     `exclude` (a package's vendored copies of others, say)."""
     files: list[Path] = []
     for path in paths:
+        if not path.exists():
+            raise SystemExit(f"{path}: no such file or folder")
         found = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         files.extend(f for f in found if not exclude or not set(f.relative_to(path).parts[:-1]) & set(exclude))
     return files
@@ -224,6 +296,11 @@ def target_continuations(
     Decoded `chunk` sequences at a time on `device` and kept in `path` chunk by chunk, so an
     interrupted run picks up where it stopped."""
     done = torch.load(path) if path.exists() else torch.empty(0, prompt_len + new_tokens, dtype=torch.long)
+    if done.shape[1] != prompt_len + new_tokens:
+        raise SystemExit(
+            f"{path}: holds sequences of {done.shape[1]} tokens, not --seq-len {prompt_len + new_tokens}; "
+            f"delete it or pass another --work"
+        )
     if len(done) >= count:
         return done[:count]
     served = load_checkpoint(target_path, device)  # as served: the compiled forward on a CPU
@@ -317,23 +394,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--block", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--taps", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--anchors", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--gamma", type=float, default=4.0)
+    parser.add_argument(
+        "--steps", type=at_least(0), default=1500, help="0: save the drafter untrained, as --init gives it"
+    )
+    parser.add_argument("--block", type=at_least(2), default=8)
+    parser.add_argument("--layers", type=at_least(1), default=2)
+    parser.add_argument("--taps", type=at_least(1), default=2)
+    parser.add_argument("--batch", type=at_least(1), default=4)
+    parser.add_argument("--seq-len", type=at_least(2), default=256)
+    parser.add_argument("--anchors", type=at_least(1), default=32)
+    parser.add_argument("--lr", type=above_zero, default=6e-4)
+    parser.add_argument("--gamma", type=above_zero, default=4.0)
     parser.add_argument(
         "--regenerate",
-        type=int,
+        type=at_least(0),
         default=0,
         help="train on this many sequences of a --prompt-len window followed by the target's greedy continuation "
         "to --seq-len (0: on the data as it is)",
     )
-    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--prompt-len", type=at_least(1), default=96)
     parser.add_argument(
         "--init", type=Path, default=None, help="start from this drafter's weights (the same shape, or fewer layers)"
     )
@@ -343,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         default="float32",
         help="the dtype of the saved weights (bfloat16: half the bytes; the loader casts them back)",
     )
-    parser.add_argument("--mask-token", type=int, default=None, help="default: the last id of the vocabulary")
+    parser.add_argument("--mask-token", type=at_least(0), default=None, help="default: the last id of the vocabulary")
     parser.add_argument(
         "--short-blocks",
         type=float,
@@ -353,21 +432,29 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--draft-vocab",
-        type=int,
+        type=at_least(0),
         default=0,
         help="draft only the N ids most frequent in the training sequences (0: the whole vocabulary)",
     )
     parser.add_argument("--data", type=Path, nargs="*", default=None)
     parser.add_argument("--held-out", type=Path, nargs="*", default=None)
-    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts served at the end (0: none)")
+    parser.add_argument("--prompts", type=at_least(0), default=8, help="held-out prompts served at the end (0: none)")
     parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not 0 <= args.short_blocks <= 1:
+        parser.error(f"--short-blocks must be between 0 and 1, not {args.short_blocks}")
+    if args.seq_len <= args.block:
+        parser.error(f"--seq-len must be above --block ({args.block}), not {args.seq_len}")
 
     torch.manual_seed(args.seed)
     target, data, held_files = training_data(args)
     model = target.model
-    draft = DFlashModel(draft_config(model, args))
+    if args.taps > model.config.num_layers:
+        raise SystemExit(f"--taps {args.taps}: the target has {model.config.num_layers} layers to tap")
+    config = draft_config(model, args)
+    fits_target(dflash_problems(config, model.config))
+    draft = DFlashModel(config)
     work = args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     sequences = None
@@ -397,10 +484,10 @@ def main(argv: list[str] | None = None) -> None:
     step, losses = 0, []
     if resume.exists():
         state = torch.load(resume, weights_only=False)
-        draft.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        resumed(lambda: (draft.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])), resume)
         step, losses = state["step"], state["losses"]
         print(f"resuming at step {step}", file=sys.stderr)
+    first_step = step
     rng = random.Random(args.seed * 1000 + step)
     generator = torch.Generator().manual_seed(args.seed * 1000 + step)
     started = time.time()
@@ -421,9 +508,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         optimizer.step()
         step += 1
-        losses.append(loss.item())
+        losses.append(finite(loss.item(), step))
         if step % 10 == 0 or step == args.steps:
-            rate = (time.time() - started) / max(1, len(losses))
+            rate = (time.time() - started) / (step - first_step)
             recent = sum(losses[-10:]) / len(losses[-10:])
             print(f"step {step}/{args.steps} loss {recent:.3f} ({rate:.2f} s a step)", file=sys.stderr, flush=True)
         if step % 100 == 0 or step == args.steps:
@@ -467,4 +554,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

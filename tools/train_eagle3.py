@@ -51,9 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_dflash import (  # noqa: E402  (tools/, beside this script)
+    above_zero,
+    at_least,
+    finite,
+    fits_target,
     frequent_tokens,
     held_out_acceptance,
     lr_at,
+    resumed,
+    run,
     served_length,
     target_continuations,
     training_batch,
@@ -61,7 +67,7 @@ from train_dflash import (  # noqa: E402  (tools/, beside this script)
 )
 
 from engine.checkpoint import load_checkpoint  # noqa: E402
-from engine.config import Eagle3Config, RopeConfig, eagle3_taps  # noqa: E402
+from engine.config import Eagle3Config, RopeConfig, eagle3_problems, eagle3_taps  # noqa: E402
 from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3  # noqa: E402
 from engine.model import Transformer  # noqa: E402
 
@@ -189,27 +195,35 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--unroll", type=int, default=7, help="training-time-test steps (>= the largest k served)")
-    parser.add_argument("--decay", type=float, default=0.8)
+    parser.add_argument(
+        "--steps", type=at_least(0), default=2000, help="0: save the drafter untrained, as --init gives it"
+    )
+    parser.add_argument(
+        "--unroll", type=at_least(1), default=7, help="training-time-test steps (>= the largest k served)"
+    )
+    parser.add_argument("--decay", type=above_zero, default=0.8)
     parser.add_argument(
         "--greedy-weight",
         type=float,
         default=0.0,
         help="share of each step's loss that is the cross-entropy of the target's argmax (the rest: KL)",
     )
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--chains", type=int, default=48, help="chain starts per sequence")
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--taps", type=int, nargs=3, default=None, help="target layers read (default: SGLang's)")
-    parser.add_argument("--draft-vocab", type=int, default=0, help="draft only the N most frequent tokens (0: all)")
-    parser.add_argument("--regenerate", type=int, default=0)
-    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--batch", type=at_least(1), default=8)
+    parser.add_argument("--seq-len", type=at_least(2), default=256)
+    parser.add_argument("--chains", type=at_least(1), default=48, help="chain starts per sequence")
+    parser.add_argument("--lr", type=above_zero, default=6e-4)
+    parser.add_argument(
+        "--taps", type=at_least(0), nargs=3, default=None, help="target layers read (default: SGLang's)"
+    )
+    parser.add_argument(
+        "--draft-vocab", type=at_least(0), default=0, help="draft only the N most frequent tokens (0: all)"
+    )
+    parser.add_argument("--regenerate", type=at_least(0), default=0)
+    parser.add_argument("--prompt-len", type=at_least(1), default=96)
     parser.add_argument("--init", type=Path, default=None, help="start from this head's weights (same shape)")
     parser.add_argument("--data", type=Path, nargs="*", default=None)
     parser.add_argument("--held-out", type=Path, nargs="*", default=None)
-    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts served at the end (0: none)")
+    parser.add_argument("--prompts", type=at_least(0), default=8, help="held-out prompts served at the end (0: none)")
     parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the target and the head train (cpu, cuda, npu)")
@@ -219,8 +233,10 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="train for this many seconds, the schedule running on the clock, instead of --steps",
     )
-    parser.add_argument("--intermediate-size", type=int, default=0, help="the head's MLP width (default: the target's)")
-    parser.add_argument("--regenerate-chunk", type=int, default=64, help="sequences regenerated at a time")
+    parser.add_argument(
+        "--intermediate-size", type=at_least(0), default=0, help="the head's MLP width (default: the target's)"
+    )
+    parser.add_argument("--regenerate-chunk", type=at_least(1), default=64, help="sequences regenerated at a time")
     parser.add_argument(
         "--sampled-share",
         type=float,
@@ -238,13 +254,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--sampled-share must be between 0 and 1, not {args.sampled_share}")
     if args.sample_temperature <= 0:
         parser.error(f"--sample-temperature must be above 0, not {args.sample_temperature}")
-    if args.intermediate_size < 0:
-        parser.error(f"--intermediate-size must be positive (0: the target's), not {args.intermediate_size}")
+    if args.seq_len <= args.unroll + 1:
+        parser.error(f"--seq-len must be above --unroll + 1 ({args.unroll + 1}), not {args.seq_len}")
 
     torch.manual_seed(args.seed)
     target, data, held_files = training_data(args, args.device, tuple(args.exclude))
     model = target.model
     config = head_config(model, args)
+    fits_target(eagle3_problems(config, model.config))
     assert config.target_layer_ids is not None
     work = args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -298,8 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     trained_before = 0.0  # seconds, for --time-budget
     if resume.exists():
         state = torch.load(resume, map_location=args.device, weights_only=False)
-        head.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        resumed(lambda: (head.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])), resume)
         step, losses, per_step = state["step"], state["losses"], state["per_step"]
         trained_before = state.get("seconds", 0.0)
         print(f"resuming at step {step}", file=sys.stderr)
@@ -331,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
         step += 1
-        losses.append(loss.item())
+        losses.append(finite(loss.item(), step))
         per_step.append(step_losses)
         now, end = schedule()
         finished = now >= end
@@ -399,4 +415,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
