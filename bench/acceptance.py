@@ -49,7 +49,10 @@ def main() -> None:
     batch = 4
     max_seq_len = max(len(p) for p in prompts) + args.max_tokens + 1
     drafter = build_drafter(snapshot.engine, models, batch, max_seq_len)
-    engine = Engine(target, drafter, batch, max_seq_len, [args.steps])
+    try:
+        engine = Engine(target, drafter, batch, max_seq_len, [args.steps])
+    except ValueError as err:  # a k the drafter cannot draft (a DFlash block's size - 1 at most)
+        parser.error(f"--steps {args.steps}: {err}")
     engine.run_until_done(Request(tuple(p), params) for p in prompts)
     stats = engine.state.stats
     verified_rounds = stats.proposed_at[0] if stats.proposed_at else 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +35,8 @@ from typing import Any
 
 import tomllib
 
-from bench.spec import ROOT, ModeReport, WorkItem, read_workload, run_url
+from bench.spec import ROOT, ModeReport, WorkItem, bench_snapshot, read_workload, run_url
+from control.config import ConfigSnapshot
 
 CONFIG = """\
 [engine]
@@ -81,6 +83,7 @@ def daemon(adaptive: str, max_batch_size: int) -> Iterator[RunningDaemon]:
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(60)
+        shutil.rmtree(folder, ignore_errors=True)  # a daemon that failed has had its log's tail printed
 
 
 def _ready_address(process: subprocess.Popen, log: Path) -> str:
@@ -108,20 +111,19 @@ def measure(
     with daemon(adaptive, max_batch_size) as running:
         run_url(running.url, warm_items(items, concurrencies), max(concurrencies))
         served = [run_url(running.url, items, concurrency) for concurrency in concurrencies]
-    engine = measure_in_process(running.config, items, concurrencies, max_batch_size) if in_process else []
+        config = bench_snapshot(argparse.Namespace(config=running.config, target=None, draft=None, drafter=None))
+    engine = measure_in_process(config, items, concurrencies, max_batch_size) if in_process else []
     return served, engine
 
 
 def measure_in_process(
-    config: Path, items: list[WorkItem], concurrencies: list[int], max_batch_size: int
+    snapshot: ConfigSnapshot, items: list[WorkItem], concurrencies: list[int], max_batch_size: int
 ) -> list[ModeReport]:
     """The daemon's config served in this process as the daemon served it: one engine, the
     warm-up first, then each concurrency in turn; each report counts the engine's own rounds."""
-    from bench.spec import bench_snapshot, build_controller, run_mode
+    from bench.spec import build_controller, run_mode
     from daemon.runtime import load_models
 
-    options = argparse.Namespace(config=config, target=None, draft=None, drafter=None)
-    snapshot = bench_snapshot(options)
     if snapshot.engine not in _MODELS:  # every daemon here has the same [engine]: loaded once
         _MODELS[snapshot.engine] = load_models(snapshot)
     models = _MODELS[snapshot.engine]

@@ -11,9 +11,9 @@ A workload is JSON Lines, one request per line: "prompt", "max_tokens", and opti
 down by) and "arrival_s" (open loop: not submitted before that offset). Without arrival times the
 run is closed-loop: --concurrency requests in flight, the next one submitted as one finishes.
 
-Modes: `none` (target only), `static:K` (a fixed k), `adaptive:measured`, `adaptive:ema` (the
-config's [adaptive] parameters with that strategy, and that strategy's default candidates where the
-config has the default; `+NAME=VALUE` overrides one more parameter or initial_k, as in
+Modes: `none` (target only), `static:K` (a fixed k), `adaptive:positional`, `adaptive:measured`,
+`adaptive:ema` (the config's [adaptive] parameters with that strategy, and that strategy's default
+candidates where the config has the default; `+NAME=VALUE` overrides one more parameter or initial_k, as in
 `adaptive:measured+exploration=0.01`); `+drafter=KIND`, `+verification=RULE`,
 `+draft_quantization=int8|none`, `+eagle3=PATH` and `+dflash=PATH` (another EAGLE-3 head or DFlash
 drafter, to compare them on the same target) change the engine's settings for that mode. Every mode
@@ -51,7 +51,7 @@ from control.config import ConfigSnapshot, load_config
 from daemon import runtime
 from daemon.logs import configure_logging
 from daemon.runtime import Models, load_models
-from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS
+from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS, CheckpointError
 from engine.controller import Controller
 from engine.dflash import DFlashModel, load_dflash
 from engine.eagle3 import Eagle3Model, load_eagle3
@@ -74,7 +74,11 @@ class WorkItem:
 
 def read_workload(path: Path) -> list[WorkItem]:
     items = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SystemExit(f"{path}: cannot read the workload ({err.strerror})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -187,7 +191,8 @@ def mode_snapshot(snapshot: ConfigSnapshot, mode: str) -> ConfigSnapshot:
             raise SystemExit(f"{mode!r}: {err}") from None
         adaptive = replace(adaptive, enabled=True, initial_k=initial_k, policy=policy)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: none, static:K, adaptive:measured or adaptive:ema")
+        strategies = ", ".join(f"adaptive:{name}" for name in DEFAULT_CANDIDATES)
+        raise SystemExit(f"unknown mode {mode!r}: none, static:K or {strategies}")
     return replace(snapshot, engine=engine, adaptive=adaptive)
 
 
@@ -196,11 +201,14 @@ def build_controller(
 ) -> Controller:
     """The engine a mode runs, assembled as the daemon assembles its own, `concurrency` slots wide."""
     settings = mode_snapshot(snapshot, mode)
-    for kind in NAMED_DRAFTERS:  # +eagle3=PATH, +dflash=PATH: that drafter, on the loaded target
-        path = getattr(settings.engine, kind)
-        if path is not None and path != getattr(snapshot.engine, kind):
-            models = replace(models, **{kind: named_drafter(kind, path, models.target.model)})
-    return runtime.build_controller(settings, models, max_batch_size=concurrency, max_seq_len=max_seq_len)
+    try:
+        for kind in NAMED_DRAFTERS:  # +eagle3=PATH, +dflash=PATH: that drafter, on the loaded target
+            path = getattr(settings.engine, kind)
+            if path is not None and path != getattr(snapshot.engine, kind):
+                models = replace(models, **{kind: named_drafter(kind, path, models.target.model)})
+        return runtime.build_controller(settings, models, max_batch_size=concurrency, max_seq_len=max_seq_len)
+    except (CheckpointError, ValueError) as err:  # a drafter not in place, a k no state can have
+        raise SystemExit(f"mode {mode!r}: {err}") from None
 
 
 # The drafters a mode may name by path, and how each loads on the target.

@@ -1,7 +1,7 @@
 """Every workload of the suite, every mode side by side, and how adapting k compares overall.
 
     python -m bench.suite [--split heldout] [--concurrency 1,4] [--config config.toml]
-        [--modes none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured]
+        [--modes none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured,adaptive:positional]
         [--repeats 1] [--json OUT] [--plots DIR]
 
 Runs each workload of bench/workloads/suite/ (NAME.SPLIT.jsonl; --split tune, heldout or all)
@@ -28,7 +28,7 @@ from bench.spec import DRAFTERS, ROOT, bench_snapshot, drafters_of, plot, print_
 from daemon.runtime import load_models
 
 SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
-MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured"
+MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured,adaptive:positional"
 
 
 def geomean(values: list[float]) -> float:

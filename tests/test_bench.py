@@ -249,3 +249,17 @@ def test_the_kernels_bench_says_whether_another_build_gives_the_same_logits(tmp_
         other.native = native.NativeForward(other, build(tmp_path / f"{name}.c"))
         agrees[name] = same_logits(checkout, other)
     assert agrees == {"same": True, "changed": False}
+
+
+def test_a_workload_or_mode_the_bench_cannot_run_is_named(tmp_path):
+    from bench.spec import mode_snapshot, read_workload
+    from control.config import load_config
+    from tests.conftest import ROOT
+
+    with pytest.raises(SystemExit, match=r"none\.jsonl: cannot read the workload \(No such file or directory\)"):
+        read_workload(tmp_path / "none.jsonl")
+    snapshot = load_config(ROOT / "config.toml")
+    with pytest.raises(
+        SystemExit, match="unknown mode 'adaptive:nope': none, static:K or adaptive:ema, .*adaptive:positional"
+    ):
+        mode_snapshot(snapshot, "adaptive:nope")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -650,8 +651,11 @@ def bench_modes_naming(kind: str, target, folder):
     models = load_models(snapshot)
     ours = spec.build_controller("static:2", snapshot, models, 1, MAX_SEQ_LEN)
     theirs = spec.build_controller(f"static:2+{kind}={folder / 'other'}", snapshot, models, 1, MAX_SEQ_LEN)
-    with pytest.raises(CheckpointError, match="no such directory"):
-        spec.build_controller(f"static:2+{kind}={folder / 'nowhere'}", snapshot, models, 1, MAX_SEQ_LEN)
+    nowhere = f"static:2+{kind}={folder / 'nowhere'}"
+    with pytest.raises(SystemExit, match=f"mode '{re.escape(nowhere)}': .*nowhere: no such directory"):
+        spec.build_controller(nowhere, snapshot, models, 1, MAX_SEQ_LEN)
+    with pytest.raises(SystemExit, match="mode 'static:99': draft length 99 is outside 0..32"):
+        spec.build_controller("static:99", snapshot, models, 1, MAX_SEQ_LEN)
     return ours, theirs
 
 
