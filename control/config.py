@@ -30,8 +30,6 @@ from engine.config import (
     EAGLE3_KINDS,
     CheckpointError,
     inspect_checkpoint,
-    inspect_dflash,
-    inspect_eagle3,
     tokenizer_vocabulary,
 )
 from engine.policy import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
@@ -694,10 +692,14 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
             found[name] = (values[name], inspect_checkpoint(values[name]))
         except CheckpointError as err:
             issues.append(ConfigIssue(name, str(err)))
-    # The drafters fed the target's hidden states: their checkpoint, checked against the target.
+    # The drafters fed the target's hidden states: their checkpoint, checked against the target,
+    # the weights by their file's header (the modules that describe them need torch: imported here).
+    from engine.dflash import inspect_dflash_weights
+    from engine.eagle3 import inspect_eagle3_weights
+
     for kinds, name, inspect in (
-        (DFLASH_KINDS, "engine.dflash", inspect_dflash),
-        (EAGLE3_KINDS, "engine.eagle3", inspect_eagle3),
+        (DFLASH_KINDS, "engine.dflash", inspect_dflash_weights),
+        (EAGLE3_KINDS, "engine.eagle3", inspect_eagle3_weights),
     ):
         path = values.get(name)
         if values.get("engine.drafter") in kinds and "engine.target" in found and path is not None:

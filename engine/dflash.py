@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.backend import Backend
-from engine.config import DFlashConfig, RopeConfig, check_weights, inspect_dflash
+from engine.config import DFlashConfig, ModelConfig, RopeConfig, check_weights, inspect_dflash, weight_shapes
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
@@ -173,6 +173,18 @@ def save_dflash(model: DFlashModel, path: Path, dtype: torch.dtype | None = None
     (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
     state = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in model.state_dict().items()}
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+
+
+def inspect_dflash_weights(path: Path, target: ModelConfig) -> DFlashConfig:
+    """`inspect_dflash`, and the names and shapes of the weights, read from their file's header,
+    against the drafter its config describes: what loading would find wrong, without loading."""
+    config = inspect_dflash(path, target)
+    with torch.device("meta"):
+        expected = DFlashModel(config).state_dict()
+    weights = path / "model.safetensors"
+    stored = {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(weights).items()}
+    check_weights(weights, stored, expected)
+    return config
 
 
 def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:

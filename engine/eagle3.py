@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.backend import Backend
-from engine.config import Eagle3Config, check_weights, eagle3_taps, inspect_eagle3
+from engine.config import Eagle3Config, ModelConfig, check_weights, eagle3_taps, inspect_eagle3, weight_shapes
 from engine.drafters import DraftVocabulary, LookupFirst, Proposal
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
@@ -143,15 +143,35 @@ def save_eagle3(model: Eagle3Model, path: Path, dtype: torch.dtype | None = None
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
 
 
+def head_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A checkpoint's tensors by the names Eagle3Model gives them: the speculators layout names the
+    one decoder layer layers.0, SpecForge midlayer; a head carrying the target's embedding drops it
+    (the target's is used)."""
+    return {
+        (f"midlayer.{k[len('layers.0.') :]}" if k.startswith("layers.0.") else k): v
+        for k, v in state.items()
+        if k != "embed_tokens.weight"
+    }
+
+
+def inspect_eagle3_weights(path: Path, target: ModelConfig) -> Eagle3Config:
+    """`inspect_eagle3`, and the names and shapes of the weights, read from their file's header,
+    against the head its config describes: what loading would find wrong, without loading."""
+    config = inspect_eagle3(path, target)
+    with torch.device("meta"):
+        expected = Eagle3Model(config, eagle3_taps(config, target)).state_dict()
+    weights = path / "model.safetensors"
+    stored = {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(weights).items()}
+    check_weights(weights, head_state(stored), expected)
+    return config
+
+
 def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
     path = Path(path)
     config = inspect_eagle3(path, target.config)  # the config, checked against the target
     model = Eagle3Model(config, eagle3_taps(config, target.config))
     weights = path / "model.safetensors"
-    state = load_file(str(weights))
-    state.pop("embed_tokens.weight", None)  # some heads carry the target's embedding: the target's is used
-    # The speculators layout names the one decoder layer layers.0, SpecForge midlayer.
-    state = {(f"midlayer.{k[len('layers.0.') :]}" if k.startswith("layers.0.") else k): v for k, v in state.items()}
+    state = head_state(load_file(str(weights)))
     check_weights(weights, state, model.state_dict())
     DraftVocabulary.check_map(weights, state, config.draft_vocab_size, config.vocab_size)
     model.load_state_dict(state)  # copied into the model's own buffers: the maps stay long and bool

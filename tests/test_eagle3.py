@@ -691,6 +691,13 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
     (tmp_path / "head" / "config.json").write_text(json.dumps({**raw, "vocab_size": 10}))
     with pytest.raises(ConfigError, match="engine.eagle3: .*does not fit the target: vocabulary of 10"):
         load_config(config, check_models=True)
+    # A config its weights do not match: found from their file's header, before anything loads.
+    heads = raw["num_attention_heads"] - 1
+    (tmp_path / "head" / "config.json").write_text(json.dumps({**raw, "num_attention_heads": heads}))
+    with pytest.raises(
+        ConfigError, match=r"engine.eagle3: .*model\.safetensors: midlayer\.self_attn\.\w+_proj\.weight has shape"
+    ):
+        load_config(config, check_models=True)
     (tmp_path / "head" / "config.json").write_text(json.dumps(raw))
     (tmp_path / "head" / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"engine.eagle3: .*model\.safetensors: not a readable safetensors file"):
