@@ -715,7 +715,7 @@ def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp
         (["--regenerate", "-3"], "argument --regenerate: must be at least 0, not -3"),
         (["--seq-len", "5"], "--seq-len must be above --unroll + 1 (8), not 5"),
         (["--sampled-share", "2"], "--sampled-share must be between 0 and 1, not 2.0"),
-        (["--sample-temperature", "0"], "--sample-temperature must be above 0, not 0.0"),
+        (["--sample-temperature", "0"], "argument --sample-temperature: must be above 0, not 0"),
     ],
 )
 def test_the_training_script_names_an_option_out_of_range(tmp_path, option, named):

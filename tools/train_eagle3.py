@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="share of the --regenerate continuations sampled at --sample-temperature (the rest greedy)",
     )
-    parser.add_argument("--sample-temperature", type=float, default=0.8)
+    parser.add_argument("--sample-temperature", type=above_zero, default=0.8)
     parser.add_argument("--exclude", nargs="*", default=[], help="folder names left out of --data (vendored copies)")
     args = parser.parse_args(argv)
     if not 0 <= args.greedy_weight <= 1:
@@ -252,8 +252,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
     if not 0 <= args.sampled_share <= 1:
         parser.error(f"--sampled-share must be between 0 and 1, not {args.sampled_share}")
-    if args.sample_temperature <= 0:
-        parser.error(f"--sample-temperature must be above 0, not {args.sample_temperature}")
     if args.seq_len <= args.unroll + 1:
         parser.error(f"--seq-len must be above --unroll + 1 ({args.unroll + 1}), not {args.seq_len}")
 
