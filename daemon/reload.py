@@ -92,7 +92,13 @@ class Reloader:
         except OSError as err:
             return self._rejected(trigger, f"{self.path}: {err.strerror}")
         if hashlib.sha256(data).hexdigest() == current.sha256:
-            return ReloadOutcome(ok=True, trigger=trigger, generation=current.generation, unchanged=True)
+            return ReloadOutcome(
+                ok=True,
+                trigger=trigger,
+                generation=current.generation,
+                unchanged=True,
+                restart_required=self.pending_restart(),
+            )
         try:
             new = parse_config(data, path=self.path, generation=current.generation + 1, check_models=True)
         except ConfigError as err:
@@ -107,7 +113,6 @@ class Reloader:
                 "(raising engine.max_k needs a restart)",
             )
         changes = diff(current, new)
-        restart = diff(self.boot, new).restart
         round_applied = None
         if any(key.startswith("adaptive.") for key in changes.live):
             try:
@@ -122,7 +127,7 @@ class Reloader:
             trigger=trigger,
             generation=new.generation,
             applied=changes.live,
-            restart_required=restart,
+            restart_required=self.pending_restart(),
             round=round_applied,
         )
 
@@ -139,8 +144,19 @@ class Reloader:
         ack = await anyio.to_thread.run_sync(done.result, APPLY_TIMEOUT_S)
         return ack.round
 
+    def pending_restart(self) -> tuple[str, ...]:
+        """Keys of the running config that only a restart applies, changed since the start."""
+        return diff(self.boot, self.snapshot).restart
+
     def _rejected(self, trigger: str, *errors: str) -> ReloadOutcome:
-        return ReloadOutcome(ok=False, trigger=trigger, generation=self.snapshot.generation, errors=errors)
+        # The running config stays, and so does what of it waits for a restart.
+        return ReloadOutcome(
+            ok=False,
+            trigger=trigger,
+            generation=self.snapshot.generation,
+            errors=errors,
+            restart_required=self.pending_restart(),
+        )
 
 
 def _fields(outcome: ReloadOutcome) -> dict:

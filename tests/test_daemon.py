@@ -292,6 +292,20 @@ def test_an_emptied_file_is_rejected_and_the_old_config_stays(daemon):
     daemon.wait_for(lambda: daemon.status()["last_reload"]["ok"], 3.0, "the restored file")
 
 
+def test_a_restart_still_owed_stays_listed_through_a_rejected_or_unchanged_reload(daemon):
+    rewrite(daemon.config, "idle_timeout_s = 1.0", "idle_timeout_s = 2.0")
+    owed = ["admin.idle_timeout_s"]
+    daemon.wait_for(lambda: daemon.status()["restart_required"] == owed, 3.0, "the restart to be owed")
+    rewrite(daemon.config, 'level = "info"', 'level = "loud"')
+    status = daemon.wait_for(lambda: (s := daemon.status())["last_reload"]["ok"] is False and s, 3.0, "the rejection")
+    assert status["restart_required"] == owed  # the file's bad edit changed nothing that runs
+    rewrite(daemon.config, 'level = "loud"', 'level = "info"')  # back to the running config: unchanged
+    status = daemon.wait_for(lambda: (s := daemon.status())["last_reload"]["ok"] and s, 3.0, "the fixed file")
+    assert status["restart_required"] == owed
+    rewrite(daemon.config, "idle_timeout_s = 2.0", "idle_timeout_s = 1.0")
+    daemon.wait_for(lambda: daemon.status()["restart_required"] == [], 3.0, "nothing to be owed")
+
+
 def test_start_up_logs_every_phase_with_its_duration_and_no_warning(daemon):
     phases = daemon.events("startup phase")
     names = [event["phase"] for event in phases]
