@@ -10,6 +10,7 @@ answers new requests with 503 while in-flight ones finish, then stops listening.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -174,6 +175,9 @@ class Daemon:
 
     async def _watch_config(self, reloader: Reloader) -> None:
         # Watch the directory, not the file: editors that save by rename replace the file's inode.
+        # The watcher's own debug lines name every change in that directory, a log file there
+        # included: at level debug each of its lines would be a change that writes another.
+        logging.getLogger("watchfiles").setLevel(logging.INFO)
         target = self.config_path.resolve()
         stop = anyio.Event()
         try:

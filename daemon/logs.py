@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import Any, TextIO
 
 import structlog
@@ -80,18 +81,33 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-class _NamedPrintLogger(structlog.PrintLogger):
+# One line at a time, whoever writes it: structlog's events and the standard library's records
+# (uvicorn, watchfiles) come from several threads, and each writer's own lock would let a line of
+# one land inside a line of the other. Reentrant: a handler's flush takes it again.
+_WRITE = threading.RLock()
+
+
+class _NamedLineLogger:
+    """structlog's logger: each event one write of a whole line, under `_WRITE`."""
+
     def __init__(self, file: TextIO | _CurrentStderr, name: str) -> None:
-        super().__init__(file)
+        self._file = file
         self.name = name
 
+    def msg(self, message: str) -> None:
+        with _WRITE:
+            self._file.write(message + "\n")
+            self._file.flush()
 
-class _NamedPrintLoggerFactory:
+    log = debug = info = warning = warn = error = err = critical = fatal = exception = failure = msg
+
+
+class _NamedLineLoggerFactory:
     def __init__(self, file: TextIO | _CurrentStderr) -> None:
         self._file = file
 
-    def __call__(self, *args: Any) -> _NamedPrintLogger:
-        return _NamedPrintLogger(self._file, str(args[0]) if args else "")
+    def __call__(self, *args: Any) -> _NamedLineLogger:
+        return _NamedLineLogger(self._file, str(args[0]) if args else "")
 
 
 def _drop_below_level(_logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
@@ -161,7 +177,11 @@ def _is_tty(stream: TextIO) -> bool:
 
 
 class _StdlibHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Our handler on the root logger, told apart so that reconfiguring replaces it."""
+    """Our handler on the root logger, told apart so that reconfiguring replaces it; it writes a
+    record's line in one write, under the lock structlog's events take (`_WRITE`)."""
+
+    def createLock(self) -> None:
+        self.lock = _WRITE
 
 
 def configure_logging(
@@ -208,7 +228,7 @@ def configure_logging(
         ],
         # NOTSET: every method reaches the processors, where _drop_below_level reads the level.
         wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
-        logger_factory=_NamedPrintLoggerFactory(target),
+        logger_factory=_NamedLineLoggerFactory(target),
         cache_logger_on_first_use=cache,
     )
 

@@ -306,6 +306,26 @@ def test_a_restart_still_owed_stays_listed_through_a_rejected_or_unchanged_reloa
     daemon.wait_for(lambda: daemon.status()["restart_required"] == [], 3.0, "nothing to be owed")
 
 
+def test_at_level_debug_a_log_file_beside_the_config_stays_quiet_and_one_json_object_a_line(daemon):
+    # The fixture's log is written beside its config, in the directory the daemon watches.
+    before = daemon.status()["generation"]
+    rewrite(daemon.config, 'level = "info"', 'level = "debug"')
+    try:
+        daemon.wait_for(lambda: daemon.status()["generation"] == before + 1, 3.0, "the debug level")
+        size = daemon.log.stat().st_size
+        for _ in range(20):  # admin traffic while the engine thread and the watcher run
+            daemon.status()
+        time.sleep(1.0)
+        grown = daemon.log.stat().st_size - size
+    finally:
+        rewrite(daemon.config, 'level = "debug"', 'level = "info"')
+    daemon.wait_for(lambda: daemon.status()["generation"] == before + 2, 3.0, "the info level")
+    assert grown < 20_000  # it was about 4 KB a second of the watcher reporting the log's own writes
+    lines = [line for line in daemon.log.read_text().splitlines() if line.startswith("{") or line.endswith("}")]
+    assert all(isinstance(json.loads(line), dict) for line in lines)
+    assert not [e for e in daemon.events() if str(e.get("event", "")).startswith("all changes filtered out")]
+
+
 def test_start_up_logs_every_phase_with_its_duration_and_no_warning(daemon):
     phases = daemon.events("startup phase")
     names = [event["phase"] for event in phases]
