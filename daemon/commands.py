@@ -127,13 +127,22 @@ class AdminCommands:
     # ---- changing ------------------------------------------------------------------------
 
     async def pin(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._applied(self.loop.pin(_k_of(args)))
+        k = await self._built(_k_of(args))
+        return await self._applied(self.loop.pin(k))
 
     async def unpin(self, args: dict[str, Any]) -> dict[str, Any]:
         return await self._applied(self.loop.unpin())
 
     async def force(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._applied(self.loop.force(_k_of(args)))
+        k = await self._built(_k_of(args))
+        return await self._applied(self.loop.force(k))
+
+    async def _built(self, k: int) -> int:
+        """k, its runtime state built between rounds first where none was (as a reload naming it
+        would build it); rejected where no state can have it (above engine.max_k, or no drafter)."""
+        if k not in {state.k for state in self.loop.status.states}:
+            await self._applied(self.loop.build_state(k))
+        return k
 
     async def _applied(self, done: Future[Ack]) -> dict[str, Any]:
         """Wait until the engine has applied the message at a boundary."""

@@ -217,8 +217,11 @@ def test_pin_force_unpin_take_effect_at_a_boundary(daemon):
     code, forced = daemon.ctl("force", "1")  # holds until the next round runs, then adapts
     assert code == 0 and forced["k"] == 1 and forced["mode"] == "forced"
 
-    code, result = daemon.ctl("pin", "5")  # no runtime state for 5
-    assert code == 1 and "no runtime state for draft length 5" in result["message"]
+    code, result = daemon.ctl("pin", "33")  # above engine.max_k: no state can have it
+    assert code == 1 and "draft length 33 is outside 0..32" in result["message"]
+    code, pinned = daemon.ctl("pin", "5")  # no state built for 5: built between rounds, as a reload would
+    assert code == 0 and pinned["k"] == 5 and 5 in [s["k"] for s in daemon.status()["runtime_states"]]
+    assert daemon.events("runtime state built")[-1]["k"] == 5
     code, text = daemon.ctl("pin", "3", json_out=False)
     assert code == 0 and "pinned" in text
     daemon.ctl("unpin")
