@@ -78,7 +78,10 @@ class AdminCommands:
             "k": engine.k,
             "mode": engine.mode,
             "strategy": engine.params.strategy,
-            "candidate_k": list(engine.params.candidate_k),
+            "candidate_k": list(engine.candidates),  # in force: with slots, the batch size's
+            "slots": [
+                {"min_batch_size": s.min_batch_size, "candidate_k": list(s.candidate_k)} for s in engine.params.slots
+            ],
             "ema": round(engine.ema, 4),
             "round": engine.round,
             "switches": engine.switches,

@@ -74,6 +74,7 @@ class EngineStatus:
     mode: str  # adaptive, pinned, forced or static
     pinned: int | None
     params: PolicyParams
+    candidates: tuple[int, ...]  # those the policy chooses from now (with [[adaptive.slots]]: its slot's)
     ema: float
     round: int
     switches: int
@@ -278,6 +279,7 @@ class EngineLoop:
             mode=controller.mode_name,
             pinned=controller.pinned,
             params=controller.params,
+            candidates=tuple(controller.policy.candidates),
             ema=controller.policy.ema,
             round=engine.round,
             switches=controller.switches,

@@ -193,6 +193,7 @@ def rewrite(config: Path, old: str, new: str, by_rename: bool = False) -> None:
 
 def test_ready_then_status_shows_the_running_state(daemon):
     status = daemon.status()
+    assert status["candidate_k"] == [1, 3, 7] and status["slots"] == []
     assert status["mode"] == "adaptive" and status["strategy"] == "ema" and status["drafter"] == "hybrid"
     assert status["k"] == 7 and status["generation"] == 1 and status["config_warnings"] == []
     assert [s["k"] for s in status["runtime_states"]] == [1, 3, 7]
@@ -340,6 +341,19 @@ def test_start_up_logs_every_phase_with_its_duration_and_no_warning(daemon):
     assert len(extended) >= len(phases)  # systemd was told to wait, phase by phase
     text = daemon.log.read_text()
     assert "Warning" not in text and not [e for e in daemon.events() if e.get("level") == "warning"], text[:3000]
+
+
+def test_status_lists_the_batch_size_slots_a_reload_adds(daemon):
+    before = daemon.status()["generation"]
+    text = daemon.config.read_text()
+    daemon.config.write_text(text + "\n[[adaptive.slots]]\nmin_batch_size = 2\ncandidate_k = [1]\n")
+    try:
+        status = daemon.wait_for(lambda: (s := daemon.status())["generation"] == before + 1 and s, 3.0, "the slots")
+        assert status["slots"] == [{"min_batch_size": 2, "candidate_k": [1]}]
+        assert status["candidate_k"] == [1, 3, 7]  # idle: the slot of batch 1 is in force
+    finally:
+        daemon.config.write_text(text)
+    daemon.wait_for(lambda: daemon.status()["slots"] == [], 3.0, "the slots gone")
 
 
 def test_sighup_reloads(daemon):

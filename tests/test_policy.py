@@ -176,8 +176,10 @@ def test_batch_size_slots_keep_separate_candidates_and_state():
     policy = make_policy(params, 7)
     assert isinstance(policy, SlottedPolicy)
     assert policy.k == 7
+    assert policy.candidates == [1, 3, 7]
     decision = policy.observe(Observation(7, (6, 6, 6, 6), (7, 7, 7, 7)))  # batch of 4: the second slot
     assert policy.k == 1 and decision is not None and decision.k == 1
+    assert policy.candidates == [0, 1]  # what status shows as in force
     policy.observe(Observation(1, (6,), (7,)))  # back to batch 1: its own state, still at 7
-    assert policy.k == 7
+    assert policy.k == 7 and policy.candidates == [1, 3, 7]
     assert params.all_k == (0, 1, 3, 7)

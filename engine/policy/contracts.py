@@ -50,6 +50,7 @@ class Decision:
 
 class Policy(Protocol):
     params: PolicyParams
+    candidates: list[int]  # the draft lengths it chooses from now (a slotted policy's: its slot's)
 
     @property
     def k(self) -> int: ...

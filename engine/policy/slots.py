@@ -41,6 +41,10 @@ class SlottedPolicy:
         return self.slots[self.active].k
 
     @property
+    def candidates(self) -> list[int]:
+        return self.slots[self.active].candidates
+
+    @property
     def ema(self) -> float:
         return self.slots[self.active].ema
 
