@@ -32,6 +32,9 @@ def test_unit_uses_notify_with_a_reload_that_can_fail():
 
 def test_hardening_leaves_accelerators_and_jit_working():
     unit = service()
+    # The compiled kernels' cache is writable under ProtectSystem=strict (else the slow path serves).
+    assert unit["CacheDirectory"] == "adaspec" and unit["Environment"] == "ADASPEC_CACHE_DIR=%C/adaspec"
+    assert unit["ProtectSystem"] == "strict" and int(unit["LimitNOFILE"]) >= 65536
     for breaks_ml in ("MemoryDenyWriteExecute", "PrivateDevices", "ProcSubset"):
         assert breaks_ml not in unit
     assert unit["NoNewPrivileges"] == "yes"
