@@ -138,6 +138,8 @@ class OpenAIApi:
         self.chat_template = chat_template
         self.tokenizer = loop.engine.target.tokenizer
         self.max_seq_len = loop.engine.max_seq_len
+        # The most characters one token stands for: a text of n characters holds at least n / this.
+        self.longest_token = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
         self.created = int(time.time())
         self.ready = False
         self.app: ASGIApp = Starlette(
@@ -202,10 +204,24 @@ class OpenAIApi:
                 rendered = self.chat_template.render(req.messages)
             except ChatTemplateError as err:
                 raise ApiError(400, str(err), param="messages") from None
-            return self.tokenizer.encode(rendered, add_special_tokens=not self.chat_template.adds_special_tokens).ids
+            return self._encode(rendered, "messages", add_special_tokens=not self.chat_template.adds_special_tokens)
         if isinstance(req.prompt, str):
-            return self.tokenizer.encode(req.prompt).ids
+            return self._encode(req.prompt, "prompt")
         return list(req.prompt or ())
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`; a text too long for the context whatever its tokens is refused before
+        the tokenizer reads it: megabytes take it seconds on the event loop, every client waiting."""
+        fewest = len(text) // self.longest_token
+        if fewest > self.max_seq_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_seq_len} tokens; a prompt of {len(text)} "
+                f"characters holds at least {fewest}. Shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _admit(self) -> None:
         if self.loop.draining:
@@ -303,9 +319,18 @@ async def _read_json(http: HttpRequest) -> Any:
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except ValueError as err:  # UnicodeDecodeError is one too
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    if b"\\ud" in body.lower():  # an escaped surrogate: a pair is one character, a lone one is no text
+        try:
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as err:
+            lone = ascii(err.object[err.start : err.end])
+            raise ApiError(
+                400, f"the request body holds a lone surrogate {lone}, not text", code="invalid_json"
+            ) from None
+    return parsed
 
 
 async def _cancel_on_disconnect(http: HttpRequest, scope: anyio.CancelScope) -> None:

@@ -27,6 +27,10 @@ from engine.sampling import SamplingParams
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant")
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# Stop strings are matched against the output at every step (and held back while streaming): a
+# request with thousands of long ones stalled every other client. OpenAI takes 4.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
 
 # Honoured fields ("top_k" and "ignore_eos" are vLLM's extensions).
 _COMMON = frozenset("model max_tokens temperature top_p top_k seed stop stream stream_options user ignore_eos".split())
@@ -251,6 +255,10 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise invalid("stop", "must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS:
+        raise invalid("stop", f"at most {MAX_STOPS} strings, got {len(stops)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid("stop", f"each string at most {MAX_STOP_CHARS} characters")
     return tuple(stops)
 
 

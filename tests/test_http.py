@@ -187,6 +187,10 @@ def test_sixteen_concurrent_streaming_clients_all_complete(daemon, client):
         ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model_not_found", "model"),
         ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{}]}, 400, "unsupported_value", "tools"),
         ("/v1/chat/completions", {"messages": []}, 400, None, "messages"),
+        ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, None, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": "s" * 1001}, 400, None, "stop"),
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "invalid_json", None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "invalid_json", None),
     ],
     ids=[
         "malformed-json",
@@ -198,6 +202,10 @@ def test_sixteen_concurrent_streaming_clients_all_complete(daemon, client):
         "wrong-model",
         "tools",
         "no-messages",
+        "too-many-stops",
+        "a-stop-too-long",
+        "lone-surrogate",
+        "lone-surrogate-in-chat",
     ],
 )
 def test_bad_requests_get_openai_errors(url, path, body, status, code, param):
@@ -209,6 +217,16 @@ def test_max_tokens_past_the_context_names_the_numbers(url, client):
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 600})
     message = assert_openai_error(response, 400, "context_length_exceeded", "max_tokens")
     assert "512" in message and "600" in message
+    # A prompt no tokenization could fit is refused by its length alone, before the tokenizer
+    # spends seconds on it with every other client waiting.
+    for path, body in (
+        ("/v1/completions", {"prompt": "word " * 200_000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}]}),
+    ):
+        response = httpx.post(f"{url}{path}", json=body)
+        param = "prompt" if "prompt" in body else "messages"
+        message = assert_openai_error(response, 400, "context_length_exceeded", param)
+        assert "512 tokens; a prompt of 1000" in message
     with pytest.raises(openai.BadRequestError):  # the client raises the error type for the status
         client.completions.create(model=MODEL, prompt="x", n=2)
     with pytest.raises(openai.NotFoundError):
