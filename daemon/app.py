@@ -25,12 +25,12 @@ import anyio
 import structlog
 from watchfiles import Change, awatch
 
-from control.admin import serve_admin
+from control.admin import AdminSocketError, serve_admin
 from control.config import ConfigSnapshot
 from daemon.auth import api_key
 from daemon.chat import ChatTemplate
 from daemon.commands import AdminCommands
-from daemon.http import HttpServer, OpenAIApi
+from daemon.http import HttpBindError, HttpServer, OpenAIApi
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.reload import Reloader
@@ -74,17 +74,21 @@ class Daemon:
         admin = self.snapshot.admin
         async with anyio.create_task_group() as tg:
             # The admin socket answers from the start: `adaspecctl status` names the phase.
-            await tg.start(
-                partial(
-                    serve_admin,
-                    admin.socket,
-                    commands,
-                    mode=admin.mode_bits,
-                    group=admin.group,
-                    idle_timeout=admin.idle_timeout_s,
-                    max_connections=admin.max_connections,
+            try:
+                await tg.start(
+                    partial(
+                        serve_admin,
+                        admin.socket,
+                        commands,
+                        mode=admin.mode_bits,
+                        group=admin.group,
+                        idle_timeout=admin.idle_timeout_s,
+                        max_connections=admin.max_connections,
+                    )
                 )
-            )
+            except AdminSocketError as err:  # in use by another daemon, a path too long, ...
+                log.error("cannot start", error=str(err))
+                return 1
             built: Future[EngineLoop] = Future()
             build = partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch)
             work = (built, build, self.snapshot, startup.phase)
@@ -103,7 +107,14 @@ class Daemon:
             server = self.snapshot.server
             http = HttpServer(api.app, server.host, server.port)
             tg.start_soon(self._handle_signals, reloader, tg.cancel_scope)
-            commands.http = await tg.start(http.serve)
+            try:
+                commands.http = await tg.start(http.serve)
+            except HttpBindError as err:  # the port is taken, the address is not this host's, ...
+                log.error("cannot start", error=str(err))
+                loop.stop()
+                self.thread.join(10.0)  # nothing is served yet: the event loop may wait for it
+                tg.cancel_scope.cancel()
+                return 1
             commands.serve(loop, reloader)
             tg.start_soon(self._watch_config, reloader)
             tg.start_soon(self._report, reloader)

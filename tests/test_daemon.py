@@ -406,6 +406,39 @@ def test_check_config_lists_every_error(tmp_path):
     assert skipped.returncode == 0, skipped.stderr
 
 
+def test_a_second_daemon_on_the_same_socket_or_a_taken_port_says_why_in_a_line(daemon, tmp_path):
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    cases = [
+        (daemon.socket, "port = 0", "is in use by another process"),
+        (folder / "admin.sock", f"port = {port}", f"cannot listen on 127.0.0.1:{port}"),
+    ]
+    try:
+        for sock, port_line, named in cases:
+            text = CONFIG.format(
+                target=DEFAULT_TARGET,
+                draft=DEFAULT_DRAFT,
+                socket=sock,
+                max_batch_size=1,
+                server="",
+                engine="",
+                shutdown="",
+            ).replace("port = 0", port_line)
+            config = tmp_path / "second.toml"
+            config.write_text(text)
+            command = [sys.executable, "-m", "daemon.cli", "--config", str(config)]
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+            failed = [json.loads(line) for line in done.stderr.splitlines() if '"cannot start"' in line]
+            assert done.returncode == 1 and "Traceback" not in done.stderr
+            assert len(failed) == 1 and named in failed[0]["error"]
+    finally:
+        held.close()
+    assert daemon.status()["state"] == "serving"  # the first daemon and its socket untouched
+
+
 def test_sigterm_drains_and_exits_zero():
     folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
     daemon = start_daemon(folder)
