@@ -34,7 +34,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, key: str, protect_metrics: bool = False) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode()
         self.protect_metrics = protect_metrics
 
     def protects(self, path: str) -> bool:
@@ -45,7 +45,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
-        if given is not None and hmac.compare_digest(given, self.expected):
+        scheme, _, credentials = (given or b"").partition(b" ")
+        # The scheme is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY".
+        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.expected):
             await self.app(scope, receive, send)
             return
         reason = "no API key was given" if given is None else "the API key is not valid"

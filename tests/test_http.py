@@ -395,6 +395,10 @@ def test_an_api_key_guards_every_v1_route_and_the_right_one_serves(keyed, target
     assert httpx.get(f"{url}/health").status_code == 200  # open: for load balancers and systemd
     assert httpx.get(f"{url}/metrics").status_code == 401
     assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    # The scheme's case does not matter (RFC 7235); another scheme, or the key alone, is refused.
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    for refused in (f"Basic {KEY}", KEY, f"Bearer{KEY}"):
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": refused}).status_code == 401
     code, config = keyed.ctl("config")
     assert KEY not in json.dumps(config)  # the file's path is shown, never the key
 
