@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
+import h11
 import structlog
 import uvicorn
 from anyio.abc import TaskStatus
@@ -34,6 +35,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from daemon.auth import ApiKeyMiddleware
 from daemon.chat import ChatTemplate, ChatTemplateError
@@ -48,6 +50,8 @@ log = structlog.get_logger("adaspec.http")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
+# A connection's request headers must all arrive within this of its opening or its last byte.
+HEADERS_TIMEOUT_S = 10.0
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first": only ever seen in metrics
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -385,7 +389,12 @@ class HttpServer:
         self.port = port
         self.shutdown_timeout_s = shutdown_timeout_s
         config = uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, timeout_graceful_shutdown=shutdown_timeout_s
+            app,
+            http=_HeadersInTime,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=shutdown_timeout_s,
         )
         self._server = _Server(config)
         self._stopped = anyio.Event()
@@ -407,6 +416,44 @@ class HttpServer:
         self._server.should_exit = True
         with anyio.move_on_after(self.shutdown_timeout_s + 1.0):
             await self._stopped.wait()
+
+
+class _HeadersInTime(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers are not all in
+    HEADERS_TIMEOUT_S after it opened or sent its last byte: uvicorn waits for them forever, and a
+    thousand clients that send half a request and nothing more held every file descriptor."""
+
+    _late: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._late is not None:
+            self._late.cancel()
+        super().connection_lost(exc)
+
+    def _waiting_for_headers(self) -> bool:
+        # Between requests (h11's IDLE) with no response under way: an idle keep-alive connection
+        # is closed by uvicorn's own keep-alive timeout first.
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _watch_headers(self) -> None:
+        if self._late is not None:
+            self._late.cancel()
+        self._late = (
+            self.loop.call_later(HEADERS_TIMEOUT_S, self._headers_late) if self._waiting_for_headers() else None
+        )
+
+    def _headers_late(self) -> None:
+        self._late = None
+        if self._waiting_for_headers() and not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):

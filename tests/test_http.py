@@ -294,6 +294,21 @@ def test_chat_template_from_the_checkpoint_or_the_plain_fallback(tmp_path):
         template.render([{"role": "tool", "content": "x"}])
 
 
+def test_a_connection_that_never_finishes_its_headers_is_closed(url):
+    import socket
+    import time
+
+    from daemon import http
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=http.HEADERS_TIMEOUT_S + 10) as half:
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line that ends them
+        started = time.monotonic()
+        assert half.recv(1024) == b""  # closed by the server, with nothing sent
+        assert http.HEADERS_TIMEOUT_S - 1 < time.monotonic() - started < http.HEADERS_TIMEOUT_S + 5
+    assert httpx.get(f"{url}/health").status_code == 200  # requests that finish their headers are served
+
+
 @pytest.fixture(scope="module")
 def small() -> Iterator[Daemon]:
     """One sequence at a time and no queue: a second request in flight is one too many."""
