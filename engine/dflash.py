@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.backend import Backend
-from engine.config import DFlashConfig, ModelConfig, RopeConfig, check_weights, inspect_dflash, weight_shapes
-from engine.drafters import DraftVocabulary, LookupFirst, Proposal
+from engine.config import DFlashConfig, ModelConfig, RopeConfig, check_weights, inspect_dflash
+from engine.drafters import DraftVocabulary, LookupFirst, Proposal, stored_weights
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side, visible_keys
@@ -182,8 +182,7 @@ def inspect_dflash_weights(path: Path, target: ModelConfig) -> DFlashConfig:
     with torch.device("meta"):
         expected = DFlashModel(config).state_dict()
     weights = path / "model.safetensors"
-    stored = {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(weights).items()}
-    check_weights(weights, stored, expected)
+    check_weights(weights, stored_weights(weights), expected)
     return config
 
 

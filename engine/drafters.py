@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.checkpoint import Checkpoint
-from engine.config import CheckpointError
+from engine.config import CheckpointError, weight_shapes
 from engine.graphs import ForwardMode, GraphSet
 from engine.kv_cache import KVCache
 from engine.model import Transformer
@@ -67,6 +67,12 @@ class Proposal:
             self.probs = self.probs[:count]
         if self.confidence is not None:
             self.confidence = self.confidence[:count]
+
+
+def stored_weights(file: Path) -> dict[str, Tensor]:
+    """A drafter's weights file as meta tensors of the stored shapes, read from its header alone:
+    what `check_weights` compares against a model without loading anything."""
+    return {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(file).items()}
 
 
 class DraftVocabulary:

@@ -35,8 +35,8 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.backend import Backend
-from engine.config import Eagle3Config, ModelConfig, check_weights, eagle3_taps, inspect_eagle3, weight_shapes
-from engine.drafters import DraftVocabulary, LookupFirst, Proposal
+from engine.config import Eagle3Config, ModelConfig, check_weights, eagle3_taps, inspect_eagle3
+from engine.drafters import DraftVocabulary, LookupFirst, Proposal, stored_weights
 from engine.graphs import CallGraphs
 from engine.kv_cache import KVCache
 from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side, visible_keys
@@ -161,8 +161,7 @@ def inspect_eagle3_weights(path: Path, target: ModelConfig) -> Eagle3Config:
     with torch.device("meta"):
         expected = Eagle3Model(config, eagle3_taps(config, target)).state_dict()
     weights = path / "model.safetensors"
-    stored = {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(weights).items()}
-    check_weights(weights, head_state(stored), expected)
+    check_weights(weights, head_state(stored_weights(weights)), expected)
     return config
 
 
