@@ -29,6 +29,7 @@ from engine.config import (
     DRAFTERS,
     EAGLE3_KINDS,
     CheckpointError,
+    ModelConfig,
     inspect_checkpoint,
     tokenizer_vocabulary,
 )
@@ -693,18 +694,12 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
         except CheckpointError as err:
             issues.append(ConfigIssue(name, str(err)))
     # The drafters fed the target's hidden states: their checkpoint, checked against the target,
-    # the weights by their file's header (the modules that describe them need torch: imported here).
-    from engine.dflash import inspect_dflash_weights
-    from engine.eagle3 import inspect_eagle3_weights
-
-    for kinds, name, inspect in (
-        (DFLASH_KINDS, "engine.dflash", inspect_dflash_weights),
-        (EAGLE3_KINDS, "engine.eagle3", inspect_eagle3_weights),
-    ):
+    # the weights by their file's header.
+    for kinds, name in ((DFLASH_KINDS, "engine.dflash"), (EAGLE3_KINDS, "engine.eagle3")):
         path = values.get(name)
         if values.get("engine.drafter") in kinds and "engine.target" in found and path is not None:
             try:
-                inspect(path, found["engine.target"][1])
+                _inspect_drafter(name, path, found["engine.target"][1])
             except CheckpointError as err:
                 issues.append(ConfigIssue(name, str(err)))
     if len(found) == 2:
@@ -719,6 +714,17 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
                 )
             )
     return issues
+
+
+def _inspect_drafter(name: str, path: Path, target: ModelConfig) -> None:
+    """The feature drafter `name` configures, checked against the target by its config and its
+    weights' header. Its module (which needs torch) is imported only where one is configured, so
+    a check of any other config stays quick."""
+    if name == "engine.dflash":
+        from engine.dflash import inspect_dflash_weights as inspect
+    else:
+        from engine.eagle3 import inspect_eagle3_weights as inspect
+    inspect(path, target)
 
 
 def read_key_file(path: str | os.PathLike[str]) -> str:
