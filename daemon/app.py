@@ -111,8 +111,7 @@ class Daemon:
                 commands.http = await tg.start(http.serve)
             except HttpBindError as err:  # the port is taken, the address is not this host's, ...
                 log.error("cannot start", error=str(err))
-                loop.stop()
-                self.thread.join(10.0)  # nothing is served yet: the event loop may wait for it
+                await self._stop_engine()  # before the cancel: its join must not be cancelled
                 tg.cancel_scope.cancel()
                 return 1
             commands.serve(loop, reloader)
