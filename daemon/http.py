@@ -326,7 +326,7 @@ async def _read_json(http: HttpRequest) -> Any:
         parsed = json.loads(body)
     except ValueError as err:  # UnicodeDecodeError is one too
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
-    if b"\\ud" in body.lower():  # an escaped surrogate: a pair is one character, a lone one is no text
+    if b"\\ud" in body or b"\\uD" in body:  # an escaped surrogate: a pair is one character, a lone one is no text
         try:
             json.dumps(parsed, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as err:
