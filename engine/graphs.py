@@ -109,6 +109,16 @@ def pack_inputs(
     return torch.tensor(flat, dtype=torch.long).view(batch_size, width + 3)
 
 
+def copy_in(buffer: Tensor, value: Tensor) -> None:
+    """Copy `value` into a graph's input buffer without waiting for the device. A host tensor
+    goes through pinned memory first: an asynchronous copy from ordinary host memory may read it
+    after it is freed (torch_npu queues the raw pointer), and a pinned block is held until the
+    copy has run."""
+    if buffer.device.type != "cpu" and value.device.type == "cpu" and not value.is_pinned():
+        value = value.contiguous().pin_memory()
+    buffer.copy_(value, non_blocking=True)
+
+
 def static_batch(inputs: Tensor, width: int, max_seq_len: int, sliding_window: int | None) -> ForwardBatch:
     """The ForwardBatch a static input stands for, built with device ops only (capturable)."""
     tokens = inputs[:, :width]
@@ -231,7 +241,7 @@ class GraphRunner:
             return None
         captured = graphs[key]
         with torch.inference_mode():
-            captured.inputs.copy_(packed, non_blocking=True)
+            copy_in(captured.inputs, packed)
             captured.graph.replay()
         for slot, tokens in zip(slots, new_tokens):
             self.cache.lengths[slot] += len(tokens)
@@ -293,7 +303,7 @@ class CallGraphs:
         call = self.calls[size]
         with torch.inference_mode():
             for buffer, value, pad in zip(call.inputs, values, call.padding):
-                buffer[:rows].copy_(value, non_blocking=True)
+                copy_in(buffer[:rows], value)
                 buffer[rows:].copy_(pad[rows:])
             call.graph.replay()
         self.replays += 1
