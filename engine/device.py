@@ -19,16 +19,27 @@ def resolve_device(name: str) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError(f"device {name!r} requested but CUDA is not available")
-        return torch.device(name)
+        return _counted(name, "CUDA", torch.cuda.device_count())
     if kind == "npu":
         try:
-            import torch_npu  # noqa: F401
+            import torch_npu
         except ImportError as err:
             raise DeviceError(
                 f"device {name!r} needs torch_npu ({err}); install adaspec[npu] on an Ascend host"
             ) from None
-        return torch.device(name)
+        if not torch_npu.npu.is_available():
+            raise DeviceError(f"device {name!r} requested but torch_npu finds no usable NPU here")
+        return _counted(name, "NPU", torch_npu.npu.device_count())
     raise DeviceError(f"unknown device {name!r}: expected cpu, cuda or npu")
+
+
+def _counted(name: str, kind: str, count: int) -> torch.device:
+    """`name` as a device, its index checked against the devices of its kind that this host has,
+    so that a wrong index fails here rather than as a driver error while the weights load."""
+    _, _, index = name.partition(":")
+    if index and (not index.isdigit() or int(index) >= count):
+        raise DeviceError(f"device {name!r} requested but this host has {count} {kind} device(s), numbered from 0")
+    return torch.device(name)
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

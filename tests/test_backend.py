@@ -8,6 +8,7 @@ graphs against eager on the default pair."""
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from engine.backend import Backend, CpuBackend, CudaBackend, NpuBackend, backend_for
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.device import DeviceError
+from engine.device import DeviceError, resolve_device
 from engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
 from engine.generate import generate
 from engine.graphs import (
@@ -92,6 +93,29 @@ def test_npu_without_torch_npu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu now raises ImportError
     with pytest.raises(DeviceError, match="torch_npu"):
         backend_for("npu")
+
+
+def fake_torch_npu(available: bool, count: int) -> types.ModuleType:
+    """A torch_npu that imports and answers only what resolve_device asks of it."""
+    module = types.ModuleType("torch_npu")
+    module.npu = types.SimpleNamespace(is_available=lambda: available, device_count=lambda: count)
+    return module
+
+
+def test_npu_with_no_usable_npu_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(available=False, count=0))
+    with pytest.raises(DeviceError, match="finds no usable NPU"):
+        resolve_device("npu")
+
+
+def test_a_device_index_the_host_lacks_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(available=True, count=2))
+    with pytest.raises(DeviceError, match=r"'npu:2' requested but this host has 2 NPU device\(s\)"):
+        resolve_device("npu:2")
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        with pytest.raises(DeviceError, match=f"has {count} CUDA device"):
+            resolve_device(f"cuda:{count}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is absent")
