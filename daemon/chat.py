@@ -3,7 +3,8 @@
 The template is the Jinja2 text in the checkpoint's `tokenizer_config.json` ("chat_template",
 a string or a list of named templates, of which "default" is used) or in `chat_template.jinja`,
 rendered as transformers' `apply_chat_template` does: in a sandbox, with `messages`,
-`add_generation_prompt=True`, `bos_token` and `eos_token`. Templates put the special tokens in
+`add_generation_prompt=True`, `bos_token` and `eos_token`, and `tools` and `documents` set to
+none (templates test them with `is not none`, and an undefined one is not none). Templates put the special tokens in
 themselves, so their text is tokenized without adding any.
 
 A checkpoint with no template (such as a base model) gets the plain fallback: one
@@ -23,7 +24,7 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-Message = Mapping[str, str]  # {"role": ..., "content": ...}
+Message = Mapping[str, str]  # {"role": ..., "content": ...}, and "name" where the client gave one
 
 
 class ChatTemplateError(ValueError):
@@ -64,6 +65,8 @@ class ChatTemplate:
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                tools=None,
+                documents=None,
             )
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template rejected the messages: {err}") from None

@@ -175,7 +175,16 @@ class OpenAIApi:
             message = f"The model '{req.model}' does not exist; this server serves '{self.model}'"
             raise ApiError(404, message, param="model", code="model_not_found")
         prompt = self._prompt_ids(req)
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.max_seq_len - len(prompt))
+        prompt_param = "messages" if req.chat else "prompt"
+        if req.max_tokens is None and len(prompt) >= self.max_seq_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_seq_len} tokens; the "
+                f"{prompt_param} take {len(prompt)}, leaving none to generate. Shorten the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.max_seq_len - len(prompt)
         if len(prompt) + max_tokens > self.max_seq_len:
             raise ApiError(
                 400,
@@ -190,8 +199,8 @@ class OpenAIApi:
         request = Request(tuple(prompt), req.sampling(max_tokens), reply.id)
         try:
             submission = Submission.start(self.loop, request, started)
-        except ValueError as err:  # the engine's own checks (token ids outside the vocabulary, ...)
-            raise ApiError(400, str(err)) from None
+        except ValueError as err:  # the engine's own checks of the prompt (empty, ids outside the vocabulary)
+            raise ApiError(400, str(err), param=prompt_param, code="invalid_prompt") from None
         except RuntimeError:  # began draining since _admit
             raise _unavailable("the server is shutting down", "draining") from None
         text = TextStream(self.tokenizer, req.stop)
@@ -294,6 +303,8 @@ class OpenAIApi:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model_info(self, http: HttpRequest) -> Response:
+        if not http.path_params["model"]:  # /v1/models/ is the list, as with the trailing slash left off
+            return await self.models(http)
         if http.path_params["model"] != self.model:
             raise ApiError(404, f"The model '{http.path_params['model']}' does not exist", code="model_not_found")
         return JSONResponse(self._model_card())
@@ -365,7 +376,9 @@ async def _api_error(http: HttpRequest, err: Exception) -> Response:
 async def _http_error(http: HttpRequest, err: Exception) -> Response:
     assert isinstance(err, HTTPException)
     code = "not_found" if err.status_code == 404 else None
-    return await _api_error(http, ApiError(err.status_code, f"{http.method} {http.url.path}: {err.detail}", code=code))
+    message = f"{http.method} {http.url.path}: {err.detail}"
+    # A 405's Allow header says which methods the path takes.
+    return await _api_error(http, ApiError(err.status_code, message, code=code, headers=err.headers))
 
 
 async def _server_error(http: HttpRequest, err: Exception) -> Response:

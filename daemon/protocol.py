@@ -53,10 +53,32 @@ _NO_OP: Mapping[str, tuple[Any, ...]] = {
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
+    # Chat fields that ask for nothing here: no tools to call in parallel, nothing stored,
+    # the standard tier, text out.
+    "parallel_tool_calls": (True, False),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
 }
 _SHARED_NO_OP = frozenset({"n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"})
 _COMPLETION_NO_OP = _SHARED_NO_OP | {"best_of", "echo", "suffix"}
-_CHAT_NO_OP = _SHARED_NO_OP | {"top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format"}
+_CHAT_NO_OP = _SHARED_NO_OP | {
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "parallel_tool_calls",
+    "store",
+    "metadata",
+    "service_tier",
+    "modalities",
+}
+# Message fields a client sends back with an assistant's reply (the OpenAI client's
+# `message.model_dump()`): accepted while they hold nothing.
+_EMPTY_MESSAGE_FIELDS = frozenset({"tool_calls", "function_call", "refusal", "audio", "annotations"})
 
 
 class ApiError(Exception):
@@ -99,7 +121,7 @@ class GenerateRequest:
     chat: bool
     model: str | None
     prompt: str | tuple[int, ...] | None  # completions: text or token ids
-    messages: tuple[dict[str, str], ...]  # chat: {"role", "content"} with text content
+    messages: tuple[dict[str, str], ...]  # chat: {"role", "content"} with text content, and "name" if given
     max_tokens: int | None  # None: the rest of the context (chat)
     temperature: float
     top_p: float
@@ -181,7 +203,7 @@ def _check_fields(body: Any, known: frozenset[str], no_op: frozenset[str]) -> Ma
         if name in no_op:
             value, allowed = body[name], _NO_OP[name]
             if value is not None and not any(_same(value, a) for a in allowed):
-                only = json.dumps(allowed[0])
+                only = ", ".join(json.dumps(a) for a in allowed)
                 raise invalid(name, f"not supported by this server (only {only} or null)", "unsupported_value")
         elif name not in known:
             raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
@@ -207,6 +229,8 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
 
 
 def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+    """Each message as {"role", "content"} (and "name" where one is given) for the template; the
+    `developer` role is OpenAI's newer name for `system`, and templates know only the older."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of messages")
@@ -215,27 +239,37 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(where, "must be an object")
-        unknown = sorted(set(message) - {"role", "content"})
-        if unknown:
-            raise invalid(f"{where}.{unknown[0]}", "not supported by this server", "unsupported_value")
         role = message.get("role")
         if role not in ROLES:
             raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}")
-        out.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+        for key, value in message.items():
+            if key in ("role", "content", "name") or (key in _EMPTY_MESSAGE_FIELDS and value in (None, [])):
+                continue
+            raise invalid(f"{where}.{key}", "not supported by this server", "unsupported_value")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""  # an assistant's turn may be all tool calls, which hold nothing here
+        entry = {"role": "system" if role == "developer" else role, "content": _content(content, f"{where}.content")}
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise invalid(f"{where}.name", "must be a string")
+            entry["name"] = name
+        out.append(entry)
     return tuple(out)
 
 
 def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: only text ones
+    if isinstance(content, list) and content:  # content parts: only text ones
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise invalid(where, 'only text content parts ({"type": "text", "text": ...}) are supported')
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(where, "must be a string or a list of text parts")
+    raise invalid(where, "must be a string or a non-empty list of text parts")
 
 
 def _max_tokens(body: Mapping[str, Any], *, chat: bool) -> int | None:

@@ -36,6 +36,8 @@ MESSAGES = [
     {"role": "system", "content": "You write short Python functions."},
     {"role": "user", "content": "Compute the n-th Fibonacci number."},
 ]
+TOOL_MESSAGE = {"role": "tool", "content": "42", "tool_call_id": "a"}
+CALLING = {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}
 MAX_TOKENS = 12
 LONG = 480  # with the daemon's max_seq_len of 512: a request that is still running moments later
 STATE_METRICS = (
@@ -191,6 +193,11 @@ def test_sixteen_concurrent_streaming_clients_all_complete(daemon, client):
         ("/v1/completions", {"prompt": "x", "stop": "s" * 1001}, 400, None, "stop"),
         ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "invalid_json", None),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "invalid_json", None),
+        ("/v1/chat/completions", {"messages": [TOOL_MESSAGE]}, 400, None, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [CALLING]}, 400, "unsupported_value", "messages[0].tool_calls"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, None, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "store": True}, 400, "unsupported_value", "store"),
+        ("/v1/completions", {"prompt": [99_999_999]}, 400, "invalid_prompt", "prompt"),
     ],
     ids=[
         "malformed-json",
@@ -206,11 +213,47 @@ def test_sixteen_concurrent_streaming_clients_all_complete(daemon, client):
         "a-stop-too-long",
         "lone-surrogate",
         "lone-surrogate-in-chat",
+        "tool-role",
+        "tool-calls",
+        "no-content-parts",
+        "store",
+        "id-outside-vocab",
     ],
 )
 def test_bad_requests_get_openai_errors(url, path, body, status, code, param):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     assert_openai_error(httpx.post(f"{url}{path}", **kwargs), status, code, param)
+
+
+def test_a_conversation_sent_back_as_the_client_returns_it_is_served(client, target):
+    """The usual loop: the assistant's reply goes back in as the client dumps it (tool_calls,
+    refusal, annotations, ... all null), beside a named user, a developer message and OpenAI's
+    fields that ask for nothing here."""
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    reply = first.choices[0].message.model_dump()
+    assert reply["tool_calls"] is None and reply["refusal"] is None
+    messages = [
+        {"role": "developer", "content": MESSAGES[0]["content"]},
+        {**MESSAGES[1], "name": "ada"},
+        reply,
+        {"role": "user", "content": "Shorter."},
+    ]
+    extras = {"store": False, "parallel_tool_calls": False, "metadata": {}, "service_tier": "auto"}
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body=extras
+    )
+    # The plain fallback renders the developer message as the system one it replaces.
+    plain = [MESSAGES[0], MESSAGES[1], {"role": "assistant", "content": reply["content"]}, messages[3]]
+    prompt = target.tokenizer.encode(ChatTemplate.from_checkpoint(DEFAULT_TARGET).render(plain)).ids
+    assert second.choices[0].message.content == reference(target, prompt, MAX_TOKENS)[0]
+
+
+def test_http_errors_say_what_the_path_takes(url):
+    response = httpx.get(f"{url}/v1/chat/completions")
+    assert_openai_error(response, 405, None, None)
+    assert response.headers["allow"] == "POST"
+    listed = httpx.get(f"{url}/v1/models/")
+    assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == [MODEL]
 
 
 def test_max_tokens_past_the_context_names_the_numbers(url, client):
@@ -227,6 +270,12 @@ def test_max_tokens_past_the_context_names_the_numbers(url, client):
         param = "prompt" if "prompt" in body else "messages"
         message = assert_openai_error(response, 400, "context_length_exceeded", param)
         assert "512 tokens; a prompt of 1000" in message
+    # A chat that leaves max_tokens to the server and fills the context blames its messages.
+    long = [{"role": "user", "content": " x" * 600}]
+    message = assert_openai_error(
+        httpx.post(f"{url}/v1/chat/completions", json={"messages": long}), 400, "context_length_exceeded", "messages"
+    )
+    assert "512 tokens" in message and "leaving none to generate" in message
     with pytest.raises(openai.BadRequestError):  # the client raises the error type for the status
         client.completions.create(model=MODEL, prompt="x", n=2)
     with pytest.raises(openai.NotFoundError):
@@ -292,6 +341,11 @@ def test_chat_template_from_the_checkpoint_or_the_plain_fallback(tmp_path):
     assert template.adds_special_tokens
     with pytest.raises(ChatTemplateError, match="no tools"):
         template.render([{"role": "tool", "content": "x"}])
+    # As transformers renders them: `tools` and `documents` are none, not undefined, and a
+    # message's name reaches the template.
+    source = "{% if tools is not none %}TOOLS{% endif %}{% for m in messages %}{{ m.name }}:{{ m.content }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
+    assert ChatTemplate.from_checkpoint(tmp_path).render([{"role": "user", "content": "Hi", "name": "ada"}]) == "ada:Hi"
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(url):
