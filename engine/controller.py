@@ -100,10 +100,11 @@ class Controller:
         return self._k
 
     def _wanted_k(self) -> int:
-        if self.mode == "static":
-            return self.static_k
+        # An operator's pin holds over the config's static k too, until unpinned.
         if self.pinned is not None:
             return self.pinned
+        if self.mode == "static":
+            return self.static_k
         if self.forced is not None:
             return self.forced
         return self.policy.k

@@ -155,6 +155,11 @@ def test_static_mode_holds_its_k(pair):
     assert ks == {3} and controller.mode_name == "static"
     with pytest.raises(ValueError, match="adaptation is disabled"):
         controller.apply(Force(1))
+    # A pin holds over the static k, and over a reload that changes it, until unpinned.
+    assert (controller.apply(Pin(5)).k, controller.step().k) == (5, 5)
+    ack = controller.apply(SetParams(FAST, adaptive=False, static_k=1))
+    assert (ack.k, ack.mode, controller.step().k) == (5, "pinned", 5)
+    assert (controller.apply(Unpin()).k, controller.step().k) == (1, 1)
 
 
 def test_the_policy_sees_each_round_whole_from_drafting_to_emitting(pair):
