@@ -14,7 +14,7 @@ from control.bounded import clip
 from control.config import effective
 from daemon.reload import Reloader
 from daemon.startup import Startup
-from engine.controller import Ack
+from engine.controller import FORCE_NEEDS_ADAPTING, Ack
 from engine.loop import EngineLoop
 
 APPLY_TIMEOUT_S = 30.0
@@ -137,7 +137,10 @@ class AdminCommands:
         return await self._applied(self.loop.unpin())
 
     async def force(self, args: dict[str, Any]) -> dict[str, Any]:
-        k = await self._built(_k_of(args))
+        k = _k_of(args)
+        if self.loop.status.mode == "static":  # refused before a state is built for nothing
+            raise AdminError("rejected", FORCE_NEEDS_ADAPTING)
+        k = await self._built(k)
         return await self._applied(self.loop.force(k))
 
     async def _built(self, k: int) -> int:

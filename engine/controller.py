@@ -42,6 +42,9 @@ class SetParams:
     static_k: int | None = None
 
 
+FORCE_NEEDS_ADAPTING = "adaptation is disabled: force needs [adaptive] enabled = true (use pin)"
+
+
 @dataclass(frozen=True)
 class Pin:
     k: int
@@ -140,7 +143,7 @@ class Controller:
         if isinstance(message, Force):
             self._require_state(message.k)
             if self.mode == "static":
-                raise ValueError("adaptation is disabled: force needs [adaptive] enabled = true (use pin)")
+                raise ValueError(FORCE_NEEDS_ADAPTING)
             self.pinned = None
             self.forced = message.k
             # The policy adapts from the forced k (snapped onto its candidates) afterwards.

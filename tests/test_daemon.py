@@ -234,6 +234,23 @@ def test_pin_force_unpin_take_effect_at_a_boundary(daemon):
     daemon.ctl("unpin")
 
 
+def test_with_adaptation_off_a_pin_holds_and_a_force_is_refused_before_building_anything(daemon):
+    before = daemon.status()["generation"]
+    rewrite(daemon.config, 'strategy = "ema"', 'strategy = "ema"\nenabled = false\nstatic_k = 1')
+    try:
+        daemon.wait_for(lambda: daemon.status()["generation"] == before + 1, 5, "the reload to static k = 1")
+        code, result = daemon.ctl("force", "6")
+        assert code == 1 and "adaptation is disabled" in result["message"]
+        assert 6 not in [s["k"] for s in daemon.status()["runtime_states"]]
+        code, pinned = daemon.ctl("pin", "3")
+        assert code == 0 and (pinned["k"], pinned["mode"]) == (3, "pinned") and daemon.status()["k"] == 3
+        code, unpinned = daemon.ctl("unpin")
+        assert code == 0 and (unpinned["k"], unpinned["mode"]) == (1, "static")
+    finally:
+        rewrite(daemon.config, 'strategy = "ema"\nenabled = false\nstatic_k = 1', 'strategy = "ema"')
+        daemon.wait_for(lambda: daemon.status()["generation"] == before + 2, 5, "the reload back")
+
+
 def test_in_place_edit_applies_within_two_seconds(daemon):
     before = daemon.status()["generation"]
     started = time.monotonic()
