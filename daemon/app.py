@@ -10,7 +10,6 @@ answers new requests with 503 while in-flight ones finish, then stops listening.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import sys
@@ -23,7 +22,6 @@ from pathlib import Path
 
 import anyio
 import structlog
-from watchfiles import Change, awatch
 
 from control.admin import AdminSocketError, serve_admin
 from control.config import ConfigSnapshot
@@ -36,6 +34,7 @@ from daemon.notify import Notifier
 from daemon.reload import Reloader
 from daemon.runtime import Phase, build_engine
 from daemon.startup import Startup
+from daemon.watch import watch_config
 from engine.loop import EngineLoop
 
 log = structlog.get_logger("adaspec.daemon")
@@ -43,7 +42,6 @@ log = structlog.get_logger("adaspec.daemon")
 START_TIMEOUT_EXTENSION_S = 120.0
 STATUS_INTERVAL_S = 2.0
 PR_SET_NAME = 15  # prctl(2): set the calling thread's name
-WATCH_DEBOUNCE_MS = 100
 # Past the drain deadline, how long the requests the engine ended have to tell their clients so.
 CUT_OFF_GRACE_S = 2.0
 
@@ -184,27 +182,9 @@ class Daemon:
         return 0
 
     async def _watch_config(self, reloader: Reloader) -> None:
-        # Watch the directory, not the file: editors that save by rename replace the file's inode.
-        # The watcher's own debug lines name every change in that directory, a log file there
-        # included: at level debug each of its lines would be a change that writes another.
-        logging.getLogger("watchfiles").setLevel(logging.INFO)
-        target = self.config_path.resolve()
-        stop = anyio.Event()
-        try:
-            async for changes in awatch(
-                target.parent,
-                recursive=False,
-                debounce=WATCH_DEBOUNCE_MS,
-                step=20,
-                stop_event=stop,
-                watch_filter=lambda _change, path: Path(path) == target,
-            ):
-                if all(change == Change.deleted for change, _ in changes) and not target.exists():
-                    log.warning("config file deleted; the running config stays", path=str(target))
-                    continue
-                await reloader.reload("watch")
-        finally:
-            stop.set()
+        # A deleted file is a reload too: it is rejected (the running config stays) and
+        # `adaspecctl status` says so until the file is back.
+        await watch_config(self.config_path, partial(reloader.reload, "watch"))
 
     async def _report(self, reloader: Reloader) -> None:
         """STATUS= for systemctl status, and WATCHDOG=1 while the engine thread is alive."""

@@ -124,13 +124,21 @@ def start_daemon(
     engine: str = "",
     shutdown: str = "",
     target: Path = DEFAULT_TARGET,
+    linked: bool = False,
 ) -> Daemon:
     """Start the daemon on the default models (or `target`); `server`, `engine` and `shutdown`:
-    extra lines for those sections."""
+    extra lines for those sections. `linked`: the config as a Kubernetes ConfigMap volume mounts
+    it, config.toml -> ..data/config.toml, ..data -> ..v1 (the folder holding the file)."""
     run_dir = folder / "run"
     config = folder / "config.toml"
     sock = run_dir / "admin.sock"
-    config.write_text(
+    written = config
+    if linked:
+        (folder / "..v1").mkdir()
+        (folder / "..data").symlink_to("..v1")
+        config.symlink_to("..data/config.toml")
+        written = folder / "..v1" / "config.toml"
+    written.write_text(
         CONFIG.format(
             target=target,
             draft=DEFAULT_DRAFT,
@@ -249,6 +257,39 @@ def test_with_adaptation_off_a_pin_holds_and_a_force_is_refused_before_building_
     finally:
         rewrite(daemon.config, 'strategy = "ema"\nenabled = false\nstatic_k = 1', 'strategy = "ema"')
         daemon.wait_for(lambda: daemon.status()["generation"] == before + 2, 5, "the reload back")
+
+
+def test_a_deleted_config_shows_in_status_until_it_is_back(daemon):
+    text = daemon.config.read_text()
+    daemon.config.unlink()
+    try:
+        status = daemon.wait_for(lambda: not (s := daemon.status())["last_reload"]["ok"] and s, 5, "the deletion")
+        assert "the file is gone" in status["last_reload"]["errors"][0]
+        assert daemon.status()["k"] is not None  # still serving on the running config
+    finally:
+        daemon.config.write_text(text)
+    daemon.wait_for(lambda: daemon.status()["last_reload"]["ok"], 5, "the file back")
+
+
+def test_a_linked_config_reloads_when_its_link_is_swapped_as_kubernetes_does():
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    daemon = start_daemon(folder, linked=True)
+    try:
+        before = daemon.status()["generation"]
+        # An update writes the new file into a new folder, then renames a new ..data link over the old.
+        (folder / "..v2").mkdir()
+        text = (folder / "..v1" / "config.toml").read_text()
+        (folder / "..v2" / "config.toml").write_text(text.replace("ema_alpha = 0.2", "ema_alpha = 0.3"))
+        (folder / "..data_tmp").symlink_to("..v2")
+        os.replace(folder / "..data_tmp", folder / "..data")
+        daemon.wait_for(lambda: daemon.status()["generation"] == before + 1, 5, "the swapped link to apply")
+        assert daemon.ctl("config")[1]["values"]["adaptive.ema_alpha"]["value"] == 0.3
+        # The file the link now leads to is the one watched.
+        rewrite(folder / "..v2" / "config.toml", "ema_alpha = 0.3", "ema_alpha = 0.4")
+        daemon.wait_for(lambda: daemon.status()["generation"] == before + 2, 5, "an edit behind the new link")
+        assert daemon.ctl("config")[1]["values"]["adaptive.ema_alpha"]["value"] == 0.4
+    finally:
+        stop_daemon(daemon)
 
 
 def test_in_place_edit_applies_within_two_seconds(daemon):
