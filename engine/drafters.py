@@ -394,11 +394,14 @@ class NgramDrafter:
 
     def lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """The sequence's own continuation, or an earlier sequence's where that matched longer
-        (up to k tokens), and how many tokens matched; no tokens when neither has one."""
+        (up to k tokens), and how many tokens matched; no tokens when neither has one. A sampled
+        sequence looks in its own context only: its drafts decide its draws, and a seed's text
+        must not depend on what other requests wrote."""
         if not self.enabled or k <= 0:
             return [], 0
         tokens, match = self.indexes[seq].continuation(seq.tokens, k)
-        if self.history is not None and match < LONGEST_MATCH:  # else no earlier text can match longer
+        earlier_too = self.history is not None and seq.params.greedy
+        if earlier_too and match < LONGEST_MATCH:  # else no earlier text can match longer
             earlier, earlier_match = self.history.continuation(seq.tokens, k)
             if earlier_match > match:
                 tokens, match = earlier, earlier_match

@@ -487,6 +487,22 @@ def test_an_earlier_sequence_is_looked_up_where_it_matches_longer_than_the_own_c
     own = Sequence(Request((1,)), slot=2, generator=None, tokens=[52, 53, 54, 55, 7, 52, 53, 54, 55])
     drafter.admit([own])
     assert drafter.lookup(own, 3) == ([7, 52, 53], 4)
+    # A sampled sequence looks in its own context only: its draws, and so a seed's text, must not
+    # depend on what other requests wrote.
+    sampled = Sequence(Request((1,), SamplingParams(temperature=0.8)), slot=3, generator=None, tokens=seq.tokens)
+    drafter.admit([sampled])
+    assert drafter.lookup(sampled, 3) == ([9, 52, 53], 3)
+
+
+def test_a_seed_repeats_its_text_at_a_fixed_k_whatever_the_lookup_history_holds(pair):
+    target, _ = pair
+    engine = Engine(target, NgramDrafter(1, 3, history=4096), 4, MAX_SEQ_LEN, STEPS, initial_k=3)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
+    texts = []
+    for _ in range(2):  # the second time, the history holds the first one's text
+        request = Request(tuple(PROMPTS[2]), params)
+        texts.append(engine.run_until_done([request])[request.id])
+    assert texts[0] == texts[1]
 
 
 def test_a_repeated_request_drafts_what_the_first_one_wrote_and_stays_lossless(pair):
