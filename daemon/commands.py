@@ -122,7 +122,13 @@ class AdminCommands:
         pinned = self.loop.status.pinned
         if pinned is not None:
             overrides["adaptive.pinned_k"] = pinned
-        return {"generation": self.reloader.snapshot.generation, "values": effective(self.reloader.snapshot, overrides)}
+        values = effective(self.reloader.snapshot, overrides)
+        # A restart-only key edited since the start still runs with its old value: that is the
+        # value shown, and the file's waits beside it as pending.
+        running = effective(self.reloader.boot)
+        for path in self.reloader.pending_restart():
+            values[path] = {**values[path], "value": running[path]["value"], "pending": values[path]["value"]}
+        return {"generation": self.reloader.snapshot.generation, "values": values}
 
     async def help(self, args: dict[str, Any]) -> dict[str, Any]:
         return {"commands": HELP}

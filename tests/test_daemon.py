@@ -358,6 +358,8 @@ def test_a_restart_still_owed_stays_listed_through_a_rejected_or_unchanged_reloa
     rewrite(daemon.config, "idle_timeout_s = 1.0", "idle_timeout_s = 2.0")
     owed = ["admin.idle_timeout_s"]
     daemon.wait_for(lambda: daemon.status()["restart_required"] == owed, 3.0, "the restart to be owed")
+    entry = daemon.ctl("config")[1]["values"]["admin.idle_timeout_s"]
+    assert (entry["value"], entry["pending"], entry["applies"]) == (1.0, 2.0, "at restart")  # what runs, and what waits
     rewrite(daemon.config, 'level = "info"', 'level = "loud"')
     status = daemon.wait_for(lambda: (s := daemon.status())["last_reload"]["ok"] is False and s, 3.0, "the rejection")
     assert status["restart_required"] == owed  # the file's bad edit changed nothing that runs
@@ -366,6 +368,7 @@ def test_a_restart_still_owed_stays_listed_through_a_rejected_or_unchanged_reloa
     assert status["restart_required"] == owed
     rewrite(daemon.config, "idle_timeout_s = 2.0", "idle_timeout_s = 1.0")
     daemon.wait_for(lambda: daemon.status()["restart_required"] == [], 3.0, "nothing to be owed")
+    assert "pending" not in daemon.ctl("config")[1]["values"]["admin.idle_timeout_s"]
 
 
 def test_at_level_debug_a_log_file_beside_the_config_stays_quiet_and_one_json_object_a_line(daemon):
