@@ -449,7 +449,11 @@ def _read_toml(text: str | bytes) -> dict[str, Any]:
                 lines = text.split("\n")
                 line, column = len(lines), len(lines[-1]) + 1
         where = f"line {line}, column {column}: " if line is not None else ""
-        raise ConfigError([ConfigIssue("<toml>", f"{where}{message}")]) from None
+        # The line itself names the key (tomllib's "Cannot overwrite a value" does not).
+        lines = text.split("\n")
+        shown = lines[line - 1].strip() if line is not None and 0 < line <= len(lines) else ""
+        quoted = f" at `{shown}`" if shown else ""
+        raise ConfigError([ConfigIssue("<toml>", f"{where}{message}{quoted}")]) from None
 
 
 class _Invalid(Exception):
