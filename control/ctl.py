@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -79,7 +80,7 @@ def request(
         except FileNotFoundError:
             raise Unreachable(f"cannot connect to {path}: no such socket (is adaspec running?)") from None
         except ConnectionRefusedError:
-            raise Unreachable(f"cannot connect to {path}: connection refused (stale socket?)") from None
+            raise Unreachable(f"cannot connect to {path}: {_refused_because(path)}") from None
         except PermissionError:
             raise Unreachable(f"cannot connect to {path}: permission denied (not in the admin group?)") from None
         except TimeoutError:
@@ -97,6 +98,19 @@ def request(
     if not isinstance(obj, dict) or "ok" not in obj:
         raise Unreachable(f"malformed reply from {path}: {reply[:200]!r}")
     return obj
+
+
+def _refused_because(path: Path) -> str:
+    """Why a connection to `path` was refused: something else is there, or a socket nobody serves."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = stat.S_IFSOCK
+    if stat.S_ISDIR(mode):
+        return "a directory, not a socket (--socket names the socket file itself)"
+    if not stat.S_ISSOCK(mode):
+        return "not a socket (--socket names the daemon's admin socket, [admin] socket in its config)"
+    return "connection refused (stale socket: is adaspec running?)"
 
 
 def _read_line(sock: socket.socket, deadline: float) -> bytes:
@@ -233,7 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         reply = request(path, options.command, args, timeout=options.timeout)
     except Unreachable as exc:
-        print(f"adaspecctl: {exc}", file=sys.stderr)
+        if options.json:  # a script reading JSON gets JSON, as for an error reply
+            print(json.dumps({"code": "unreachable", "message": str(exc)}, indent=2))
+        else:
+            print(f"adaspecctl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except KeyboardInterrupt:
         return 130

@@ -383,6 +383,15 @@ async def test_ctl_usage_errors_and_unreachable_socket(sock_path: Path) -> None:
     stale.close()
     code, _, err = await ctl("--socket", str(sock_path), "status")
     assert code == 3 and "refused" in err
+    code, out, _ = await ctl("--socket", str(sock_path), "--json", "status")
+    assert code == 3 and json.loads(out)["code"] == "unreachable"  # scripts reading JSON get JSON
+    # Something other than a socket at the path says so, not "refused".
+    code, _, err = await ctl("--socket", str(sock_path.parent), "status")
+    assert code == 3 and "a directory, not a socket" in err
+    sock_path.unlink()
+    sock_path.write_text("")
+    code, _, err = await ctl("--socket", str(sock_path), "status")
+    assert code == 3 and "not a socket" in err
 
     sock_path.unlink()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:  # listens, never answers
