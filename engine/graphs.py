@@ -110,11 +110,11 @@ def pack_inputs(
 
 
 def copy_in(buffer: Tensor, value: Tensor) -> None:
-    """Copy `value` into a graph's input buffer without waiting for the device. A host tensor
-    goes through pinned memory first: an asynchronous copy from ordinary host memory may read it
-    after it is freed (torch_npu queues the raw pointer), and a pinned block is held until the
-    copy has run."""
-    if buffer.device.type != "cpu" and value.device.type == "cpu" and not value.is_pinned():
+    """Copy `value` into a graph's input buffer without waiting for the device. On an NPU a host
+    tensor goes through pinned memory first: torch_npu queues an asynchronous copy with the raw
+    host pointer, which may be read after the tensor is freed, while a pinned block is held until
+    the copy has run. CUDA copies ordinary host memory to its own staging before returning."""
+    if buffer.device.type == "npu" and value.device.type == "cpu" and not value.is_pinned():
         value = value.contiguous().pin_memory()
     buffer.copy_(value, non_blocking=True)
 
