@@ -39,7 +39,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from daemon.auth import ApiKeyMiddleware
 from daemon.chat import ChatTemplate, ChatTemplateError
-from daemon.metrics import Metrics, MetricsMiddleware
+from daemon.metrics import CLIENT_CLOSED, Metrics, MetricsMiddleware
 from daemon.protocol import ApiError, GenerateRequest, Reply, Usage, parse_chat, parse_completion
 from daemon.text import TextStream
 from engine.core import SequenceOutput
@@ -52,7 +52,6 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
 # A connection's request headers must all arrive within this of its opening or its last byte.
 HEADERS_TIMEOUT_S = 10.0
-CLIENT_CLOSED = 499  # nginx's status for "the client went away first": only ever seen in metrics
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

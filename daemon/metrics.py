@@ -155,6 +155,9 @@ class _StateCollector(Collector):
         yield memory
 
 
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first": only ever seen in metrics
+
+
 class MetricsMiddleware:
     """Counts every HTTP request by endpoint and status, and times it to the end of its body."""
 
@@ -170,15 +173,25 @@ class MetricsMiddleware:
         endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
         started = time.perf_counter()
         status = 500  # what the client gets if the app fails before it answers
+        answering = finished = False
 
         async def send_and_note(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answering, finished
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, answering = message["status"], True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_and_note)
+        except Exception:
+            status = 500  # failed, maybe after its 200 went out
+            raise
+        else:
+            # A response begun and never ended, with no failure, is a stream its client left.
+            if answering and not finished:
+                status = CLIENT_CLOSED
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
