@@ -93,6 +93,7 @@ class AdminCommands:
                 "at": last.at,
                 "generation": last.generation,
                 "errors": list(last.errors),
+                "unchanged": last.unchanged,
             },
             "reload_failures": self.reloader.failures,
             "config_warnings": list(snapshot.warnings),

@@ -71,8 +71,10 @@ class Reloader:
                 outcome = await self._reload(trigger)
             finally:
                 self.notifier.ready()
-        if not outcome.unchanged or not self.last.ok:
+        if not outcome.unchanged or not self.last.ok or trigger != "watch":
             # A file edited back to the running config counts as a good reload: it clears the error.
+            # An operator's SIGHUP or `adaspecctl reload` shows even when nothing changed; the
+            # watcher's touches that change nothing do not hide the last real reload.
             self.last = outcome
         if outcome.ok:
             log.info("reload", **_fields(outcome))

@@ -421,6 +421,8 @@ def test_sighup_reloads(daemon):
     daemon.process.send_signal(signal.SIGHUP)
     daemon.wait_for(lambda: [e for e in daemon.events("reload") if e.get("trigger") == "sighup"], 5, "SIGHUP reload")
     assert any("RELOADING=1" in m and "MONOTONIC_USEC=" in m for m in daemon.notifications())
+    last = daemon.status()["last_reload"]  # shown though the file had not changed
+    assert (last["trigger"], last["ok"], last["unchanged"]) == ("sighup", True, True)
 
 
 def test_garbage_and_oversized_admin_input_leave_the_daemon_serving(daemon):
