@@ -183,6 +183,13 @@ class _StdlibHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def createLock(self) -> None:
         self.lock = _WRITE
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        # asyncio warns after a few writes to a connection whose client has gone, naming neither:
+        # a stream its client left is already cancelled, and counted as a 499 in the metrics.
+        if record.name == "asyncio" and record.msg == "socket.send() raised exception.":
+            return False
+        return super().filter(record)
+
 
 def configure_logging(
     level: str = "info", fmt: str = "auto", *, stream: TextIO | None = None, cache: bool = True
