@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.config import CheckpointError
 from engine.detokenize import OutputText
+from engine.device import DeviceError
 from engine.request import finish_reason
 from engine.sampling import SamplingParams, next_token
 
@@ -64,21 +66,33 @@ def generate(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Generate text with the target model alone.")
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.generate", description="Generate text with the target model alone."
+    )
     parser.add_argument("prompts", nargs="+", help="one or more prompts, decoded as one batch")
     parser.add_argument("--model", default="models/target", help="Hugging Face checkpoint directory")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens to generate for each prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of this mass")
+    parser.add_argument("--seed", type=int, default=None, help="repeat a sampled run")
     args = parser.parse_args(argv)
-
-    checkpoint = load_checkpoint(args.model, args.device, args.dtype)
-    params = SamplingParams(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    try:  # what the user asked for is checked before the model loads
+        params = SamplingParams(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        checkpoint = load_checkpoint(args.model, args.device, args.dtype)
+    except (CheckpointError, DeviceError, ValueError) as err:
+        raise SystemExit(f"{parser.prog}: {err}") from None
     prompts = [checkpoint.tokenizer.encode(p).ids for p in args.prompts]
+    positions = checkpoint.model.config.max_position_embeddings
+    if (longest := max(len(p) for p in prompts) + params.max_tokens) > positions:
+        raise SystemExit(
+            f"{parser.prog}: the longest prompt and --max-tokens need {longest} positions; the model has {positions}"
+        )
     started = time.perf_counter()
     completions = generate(checkpoint, prompts, params)
     seconds = time.perf_counter() - started

@@ -12,8 +12,9 @@ from engine import native
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import CheckpointError, inspect_checkpoint
 from engine.device import DeviceError, resolve_device
+from engine.generate import main as generate_main
 from engine.model import ForwardBatch, Linear
-from tests.conftest import save_tiny, tiny_hf_model
+from tests.conftest import DEFAULT_TARGET, save_tiny, tiny_hf_model
 
 
 @pytest.fixture
@@ -161,3 +162,19 @@ def test_loading_new_weights_drops_the_stale_packed_copy(tiny_dir, tmp_path):
     assert checkpoint.model.native is None
     assert all(m.packed is None for m in checkpoint.model.modules() if isinstance(m, Linear))
     torch.testing.assert_close(logits_of(checkpoint, [3, 4, 5]), logits_of(other, [3, 4, 5]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", "/nonexistent", "x"], "/nonexistent: not a checkpoint directory"),
+        (["--dtype", "fp8", "x"], "unknown dtype 'fp8'"),
+        (["--top-p", "2", "x"], "top_p must be in (0, 1]"),
+        (["--model", str(DEFAULT_TARGET), "--max-tokens", "5000", "x"], "need 5001 positions; the model has 2048"),
+    ],
+)
+def test_the_generate_command_says_what_is_wrong_in_a_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        generate_main(argv)
+    said = str(stopped.value.code) if isinstance(stopped.value.code, str) else capsys.readouterr().err
+    assert stopped.value.code != 0 and says in said and "Traceback" not in said
