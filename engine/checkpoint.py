@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from engine import native
-from engine.config import CheckpointError, ModelConfig, weight_shapes
+from engine.config import CheckpointError, ModelConfig, read_tokenizer, weight_shapes
 from engine.device import resolve_device, resolve_dtype
 from engine.model import Transformer, can_pack_linears
 
@@ -213,7 +213,7 @@ def load_checkpoint(
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.exists():
         raise CheckpointError(f"{tokenizer_path}: not found")
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    tokenizer = read_tokenizer(tokenizer_path)
     return Checkpoint(path, config, model, tokenizer, _eos_ids(path))
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -191,7 +192,17 @@ def inspect_checkpoint(path: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: not a checkpoint directory, missing {', '.join(missing)}")
     if (path / "model.safetensors").is_file():
         weight_shapes(path / "model.safetensors")
+    read_tokenizer(path / "tokenizer.json")
     return ModelConfig.from_file(path / "config.json")
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer in `path` (a tokenizer.json); CheckpointError naming the file where it is not
+    one (the tokenizers library's own errors name no file)."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the library raises plain Exception for a file it cannot read
+        raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read ({err})") from None
 
 
 def tokenizer_vocabulary(path: Path) -> dict[str, int] | None:

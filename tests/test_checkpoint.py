@@ -178,3 +178,10 @@ def test_the_generate_command_says_what_is_wrong_in_a_line(argv, says, capsys):
         generate_main(argv)
     said = str(stopped.value.code) if isinstance(stopped.value.code, str) else capsys.readouterr().err
     assert stopped.value.code != 0 and says in said and "Traceback" not in said
+
+
+def test_a_corrupt_tokenizer_is_a_checkpoint_error_naming_the_file(tiny_dir):
+    (tiny_dir / "tokenizer.json").write_text('{"not": "a tokenizer"')
+    for read in (inspect_checkpoint, load_checkpoint):
+        with pytest.raises(CheckpointError, match=r"tokenizer\.json: not a tokenizer the tokenizers library can read"):
+            read(tiny_dir)
