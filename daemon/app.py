@@ -26,7 +26,7 @@ import structlog
 from control.admin import AdminSocketError, serve_admin
 from control.config import ConfigSnapshot
 from daemon.auth import api_key
-from daemon.chat import ChatTemplate
+from daemon.chat import ChatTemplate, ChatTemplateError
 from daemon.commands import AdminCommands
 from daemon.http import HttpBindError, HttpServer, OpenAIApi
 from daemon.metrics import Metrics
@@ -66,6 +66,12 @@ class Daemon:
         except ValueError as err:  # the key file went away since the config was read
             log.error("cannot read the API key", error=str(err))
             return 1
+        target = self.snapshot.engine.target
+        try:  # before the models load: a template that cannot compile is the checkpoint's to fix
+            template = ChatTemplate.from_checkpoint(target)
+        except ChatTemplateError as err:
+            log.error("cannot start", error=f"{target}: {err}")
+            return 1
         metrics = Metrics(self.snapshot.engine.max_k)
         startup = Startup(self.notifier)
         commands = AdminCommands(startup, self.started)
@@ -101,7 +107,7 @@ class Daemon:
             log.info("started", seconds=round(time.monotonic() - startup.started, 3))
             reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
             metrics.watch(loop, reloader)
-            api = self._api(loop, metrics, key)
+            api = self._api(loop, metrics, key, template)
             server = self.snapshot.server
             http = HttpServer(api.app, server.host, server.port)
             tg.start_soon(self._handle_signals, reloader, tg.cancel_scope)
@@ -124,7 +130,7 @@ class Daemon:
             tg.cancel_scope.cancel()
         return await self._stop_engine()
 
-    def _api(self, loop: EngineLoop, metrics: Metrics, key: str | None) -> OpenAIApi:
+    def _api(self, loop: EngineLoop, metrics: Metrics, key: str | None, template: ChatTemplate) -> OpenAIApi:
         target, server = self.snapshot.engine.target, self.snapshot.server
         log.info("http api key", required=key is not None, metrics_need_key=server.metrics_need_key and key is not None)
         return OpenAIApi(
@@ -132,7 +138,7 @@ class Daemon:
             metrics,
             model=server.model_name or target.name,
             max_queue=server.max_queue,
-            chat_template=ChatTemplate.from_checkpoint(target),
+            chat_template=template,
             api_key=key,
             metrics_need_key=server.metrics_need_key,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -475,14 +476,19 @@ def test_a_second_daemon_on_the_same_socket_or_a_taken_port_says_why_in_a_line(d
     held.listen()
     port = held.getsockname()[1]
     folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    # A target whose chat template cannot compile: refused before its weights load.
+    broken = tmp_path / "broken-template"
+    shutil.copytree(DEFAULT_TARGET, broken)
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}")
     cases = [
-        (daemon.socket, "port = 0", "is in use by another process"),
-        (folder / "admin.sock", f"port = {port}", f"cannot listen on 127.0.0.1:{port}"),
+        (daemon.socket, "port = 0", "is in use by another process", DEFAULT_TARGET),
+        (folder / "admin.sock", f"port = {port}", f"cannot listen on 127.0.0.1:{port}", DEFAULT_TARGET),
+        (folder / "admin.sock", "port = 0", "the chat template does not compile", broken),
     ]
     try:
-        for sock, port_line, named in cases:
+        for sock, port_line, named, target in cases:
             text = CONFIG.format(
-                target=DEFAULT_TARGET,
+                target=target,
                 draft=DEFAULT_DRAFT,
                 socket=sock,
                 max_batch_size=1,

@@ -353,6 +353,30 @@ def test_chat_template_from_the_checkpoint_or_the_plain_fallback(tmp_path):
     assert ChatTemplate.from_checkpoint(tmp_path).render([{"role": "user", "content": "Hi", "name": "ada"}]) == "ada:Hi"
 
 
+def test_chat_templates_get_what_transformers_gives_them(tmp_path):
+    hi = [{"role": "user", "content": "héllo"}]
+    # tojson with json.dumps' options, the special tokens besides bos and eos, the generation tag.
+    source = (
+        "{{ messages | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True) }}|{{ pad_token }}|"
+        "{% generation %}{{ messages[0].content }}{% endgeneration %}"
+    )
+    config = {"chat_template": source, "pad_token": {"content": "<pad>"}, "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    rendered = ChatTemplate.from_checkpoint(tmp_path).render(hi)
+    assert rendered == '[{"content":"h\\u00e9llo","role":"user"}]|<pad>|héllo'
+    # A chat_template.jinja beside the config's template is the one used, as transformers does.
+    (tmp_path / "chat_template.jinja").write_text("JINJA {{ messages[0].content }}")
+    assert ChatTemplate.from_checkpoint(tmp_path).render(hi) == "JINJA héllo"
+    # A template failing on the messages is the request's error, not the server's; one that cannot
+    # compile is named when the checkpoint is read.
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content + 1 }}")
+    with pytest.raises(ChatTemplateError, match="failed on the messages"):
+        ChatTemplate.from_checkpoint(tmp_path).render(hi)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate.from_checkpoint(tmp_path)
+
+
 def test_a_connection_that_never_finishes_its_headers_is_closed(url):
     import socket
     import time
