@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench.prompts import code_prompts
 from bench.spec import ROOT
+from control.arguments import at_least
 from control.config import load_config
 from daemon.runtime import build_drafter, load_models
 from engine.core import Engine
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--dflash", default="models/dflash")
     parser.add_argument("--eagle3", default="models/eagle3")
     parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--k", "--steps", dest="k", type=at_least(0), default=4, help="the draft length served")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -50,15 +51,13 @@ def main() -> None:
     max_seq_len = max(len(p) for p in prompts) + args.max_tokens + 1
     drafter = build_drafter(snapshot.engine, models, batch, max_seq_len)
     try:
-        engine = Engine(target, drafter, batch, max_seq_len, [args.steps])
+        engine = Engine(target, drafter, batch, max_seq_len, [args.k])
     except ValueError as err:  # a k the drafter cannot draft (a DFlash block's size - 1 at most)
-        parser.error(f"--steps {args.steps}: {err}")
+        parser.error(f"--k {args.k}: {err}")
     engine.run_until_done(Request(tuple(p), params) for p in prompts)
     stats = engine.state.stats
     verified_rounds = stats.proposed_at[0] if stats.proposed_at else 0
-    print(
-        f"{len(prompts)} held-out prompts, {args.drafter}, greedy, k={args.steps}, up to {args.max_tokens} tokens each"
-    )
+    print(f"{len(prompts)} held-out prompts, {args.drafter}, greedy, k={args.k}, up to {args.max_tokens} tokens each")
     print(f"mean accepted drafts per round: {stats.drafts_accepted / max(verified_rounds, 1):.3f}")
     rates = [a / p for a, p in zip(stats.accepted_at, stats.proposed_at) if p]
     print("acceptance by position (of all rounds): " + ", ".join(f"{r:.3f}" for r in rates))

@@ -33,6 +33,7 @@ from bench.spec import (
     write_reports,
 )
 from bench.spec import make_parser as spec_parser
+from control.arguments import integers
 from control.config import ConfigSnapshot
 from daemon.runtime import Models, load_models
 from engine.controller import Controller
@@ -102,7 +103,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser = spec_parser()
     parser.description = __doc__
     parser.set_defaults(modes="none", repeats=3)
-    parser.add_argument("--ks", default="1,3,5,7", help="the oracle's draft lengths, comma-separated")
+    parser.add_argument(
+        "--ks", type=integers(1, 64), default=[1, 3, 5, 7], help="the oracle's draft lengths, comma-separated"
+    )
     return parser
 
 
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("the ceiling runs in-process at batch 1")
     snapshot = bench_snapshot(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = args.ks
     models = load_models(snapshot, kinds=drafters_of(modes))
     outputs = target_outputs(models, items)
     warm_up(snapshot, models, items, 1, args.max_seq_len)

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from bench.prompts import code_prompts
+from control.arguments import integers
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
 from engine.dflash import DFlashDrafter, load_dflash
@@ -49,7 +50,9 @@ def main() -> None:
     parser.add_argument("--eagle3", default="models/eagle3")
     parser.add_argument("--dflash", default="models/dflash")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--steps", default="0,1,3,5,7")
+    parser.add_argument(
+        "--k", "--steps", dest="k", type=integers(0), default=[0, 1, 3, 5, 7], help="draft lengths, comma-separated"
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
@@ -72,7 +75,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     limit = MAX_SEQ_LEN - args.max_tokens
     requests = [Request(tuple(target.tokenizer.encode(p).ids[-limit:]), params) for p in code_prompts(args.prompts)]
-    steps = [int(k) for k in args.steps.split(",")]
+    steps = args.k
     print(f"{torch.cuda.get_device_name()}, {target.model.embed_tokens.weight.dtype}, {args.drafter}, batch 1, greedy")
     print(f"{'k':>2} {'eager ms':>9} {'graphs ms':>9} {'speedup':>8} {'capture s':>9} {'capture MiB':>11}")
     for k in steps:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.spec import ModeReport, WorkItem, per_phase_oracle, phase_rate, read_workload
+from control.arguments import at_least
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.core import Engine
 from engine.drafters import DraftModelDrafter, int8_linears
@@ -139,7 +140,7 @@ def main(argv: Seq[str] | None = None) -> None:
     parser.add_argument("--target", default="models/target")
     parser.add_argument("--draft", default="models/draft")
     parser.add_argument("--max-k", type=int, default=12)
-    parser.add_argument("--passes", type=int, default=20, help="draws of the kept drafts per request")
+    parser.add_argument("--passes", type=at_least(1), default=20, help="draws of the kept drafts per request")
     args = parser.parse_args(argv)
 
     items = read_workload(args.workload)

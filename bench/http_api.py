@@ -36,6 +36,7 @@ from typing import Any
 import tomllib
 
 from bench.spec import ROOT, ModeReport, WorkItem, bench_snapshot, read_workload, run_url
+from control.arguments import integers
 from control.config import ConfigSnapshot
 
 CONFIG = """\
@@ -153,8 +154,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", type=Path, default=ROOT / "bench" / "workloads" / "transition.jsonl")
     parser.add_argument("--requests", type=int, default=None, help="only the first N requests of the workload")
-    parser.add_argument("--concurrency", default="1,4,16", help="numbers of clients, comma-separated")
-    parser.add_argument("--steps", default="1,3,7", help="the static k to compare with, comma-separated")
+    parser.add_argument(
+        "--concurrency", type=integers(1), default=[1, 4, 16], help="numbers of clients, comma-separated"
+    )
+    parser.add_argument(
+        "--k",
+        "--steps",
+        dest="k",
+        type=integers(0),
+        default=[1, 3, 7],
+        help="the static k to compare with, comma-separated",
+    )
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument(
         "--in-process", action="store_true", help="also serve each config in this process: the daemon over the engine"
@@ -164,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line a request once logging is set up here
 
     items = read_workload(args.workload)[: args.requests]
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    concurrencies = args.concurrency
     modes = {"adaptive": shipped_adaptive()}
-    modes |= {f"static:{k}": f"enabled = false\nstatic_k = {k}" for k in args.steps.split(",")}
+    modes |= {f"static:{k}": f"enabled = false\nstatic_k = {k}" for k in args.k}
     print(f"workload {args.workload}: {len(items)} requests, concurrency {concurrencies}", file=sys.stderr)
     results: dict[str, list[ModeReport]] = {}
     engine: dict[str, list[ModeReport]] = {}

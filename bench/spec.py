@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache, partial
 from pathlib import Path
 
+from control.arguments import at_least
 from control.config import ConfigSnapshot, load_config
 from daemon import runtime
 from daemon.logs import configure_logging
@@ -531,7 +532,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--modes", default="none,static:1,static:3,static:7,adaptive:ema,adaptive:measured")
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--concurrency", type=at_least(1), default=1)
     parser.add_argument(
         "--config",
         type=Path,
@@ -541,8 +542,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=None, help="target checkpoint (default: config, or models/target)")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: config, or models/draft)")
     parser.add_argument("--drafter", choices=DRAFTERS[:-1], default=None)
-    parser.add_argument("--max-seq-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of all the modes side by side; figures add up")
+    parser.add_argument("--max-seq-len", type=at_least(2), default=1024)
+    parser.add_argument(
+        "--repeats", type=at_least(1), default=2, help="runs of all the modes side by side; figures add up"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--url", default=None, help="a running daemon's HTTP API instead of in-process modes")

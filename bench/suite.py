@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from bench.spec import DRAFTERS, ROOT, bench_snapshot, drafters_of, plot, print_table, read_workload, run_modes, warm_up
+from control.arguments import at_least, integers
 from daemon.runtime import load_models
 
 SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
@@ -63,9 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--split", choices=["tune", "heldout", "all"], default="heldout")
     parser.add_argument("--workloads", type=Path, default=SUITE, help="a folder of NAME.SPLIT.jsonl files")
-    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--concurrency", type=integers(1), default=[1, 4])
     parser.add_argument("--modes", default=MODES)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=at_least(1), default=1)
     parser.add_argument(
         "--config", type=Path, default=ROOT / "config.toml", help="as bench.spec's (the daemon's default)"
     )
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         args.plots.mkdir(parents=True, exist_ok=True)
 
     results: dict = {"split": args.split, "modes": modes, "concurrency": {}}
-    for concurrency in (int(c) for c in args.concurrency.split(",")):
+    for concurrency in args.concurrency:
         rates: dict[str, dict[str, float]] = {}
         tables: dict[str, dict] = {}
         for path in files:

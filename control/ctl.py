@@ -29,6 +29,7 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 DEFAULT_TIMEOUT_S = 30.0
+MAX_TIMEOUT_S = 86400.0  # a day: longer is a mistake (and past what a socket timeout takes)
 _MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 # command -> (help, whether it takes a draft length K)
@@ -201,8 +202,10 @@ def _timeout(text: str) -> float:
         seconds = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"timeout must be a number of seconds, not {text!r}") from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"timeout must be positive, not {text!r}")
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, not {text!r}"
+        )
     return seconds
 
 

@@ -368,7 +368,15 @@ async def test_ctl_against_a_live_server(sock_path: Path) -> None:
 
 
 async def test_ctl_usage_errors_and_unreachable_socket(sock_path: Path) -> None:
-    for argv in (["pin"], ["pin", "-1"], ["force", "two"], ["frobnicate"], [], ["status", "--timeout", "0"]):
+    for argv in (
+        ["pin"],
+        ["pin", "-1"],
+        ["force", "two"],
+        ["frobnicate"],
+        [],
+        ["status", "--timeout", "0"],
+        ["status", "--timeout", "inf"],
+    ):
         code, _, err = await ctl("--socket", str(sock_path), *argv)
         assert code == 2, argv
         assert "usage" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from pathlib import Path
@@ -263,3 +264,21 @@ def test_a_workload_or_mode_the_bench_cannot_run_is_named(tmp_path):
         SystemExit, match="unknown mode 'adaptive:nope': none, static:K or adaptive:ema, .*adaptive:positional"
     ):
         mode_snapshot(snapshot, "adaptive:nope")
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "says"),
+    [
+        ("bench.spec", ["--workload", "w.jsonl", "--concurrency", "0"], "--concurrency: must be at least 1, not 0"),
+        ("bench.spec", ["--workload", "w.jsonl", "--repeats", "0"], "--repeats: must be at least 1, not 0"),
+        ("bench.suite", ["--concurrency", "1,x"], "--concurrency: 'x' is not an integer"),
+        ("bench.ceiling", ["--workload", "w.jsonl", "--ks", "1,99"], "--ks: 99 is above 64"),
+        ("bench.http_api", ["--k", "1,-3"], "--k/--steps: must be at least 0, not -3"),
+    ],
+)
+def test_bench_arguments_out_of_range_are_usage_errors_before_anything_runs(module, argv, says, capsys):
+    """A value that would hang the bench, divide by zero or fail only after a whole run is
+    refused at once, naming the flag."""
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(module).main(argv)
+    assert stopped.value.code == 2 and says in capsys.readouterr().err

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from control.arguments import above_zero, at_least  # noqa: E402
 from engine.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from engine.config import CheckpointError, dflash_problems  # noqa: E402
 from engine.device import DeviceError  # noqa: E402
@@ -60,32 +61,6 @@ from engine.dflash import (  # noqa: E402
 )
 from engine.drafters import Drafter  # noqa: E402
 from engine.model import Transformer  # noqa: E402
-
-
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer no less than `low`."""
-
-    def integer(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
-        return value
-
-    return integer
-
-
-def above_zero(text: str) -> float:
-    """An argparse type: a number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
-    return value
 
 
 def fits_target(problems: list[str]) -> None:
@@ -177,6 +152,8 @@ def training_data(
         train_files, held_files = text_files(args.data, exclude), text_files(args.held_out or [])
     else:
         train_files, held_files = default_data()
+        if args.held_out:  # the standard library's training files, held out files of the user's
+            held_files = text_files(args.held_out)
     data = token_stream(target, train_files)
     if len(data) < args.seq_len + 1:
         raise SystemExit(f"only {len(data)} training tokens: need at least --seq-len + 1 = {args.seq_len + 1}")

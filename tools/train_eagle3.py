@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -51,8 +52,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_dflash import (  # noqa: E402  (tools/, beside this script)
-    above_zero,
-    at_least,
     finite,
     fits_target,
     frequent_tokens,
@@ -66,6 +65,7 @@ from train_dflash import (  # noqa: E402  (tools/, beside this script)
     training_data,
 )
 
+from control.arguments import above_zero, at_least  # noqa: E402
 from engine.checkpoint import load_checkpoint  # noqa: E402
 from engine.config import Eagle3Config, RopeConfig, eagle3_problems, eagle3_taps  # noqa: E402
 from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3  # noqa: E402
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.greedy_weight <= 1:
         parser.error(f"--greedy-weight must be between 0 and 1, not {args.greedy_weight}")
-    if args.time_budget < 0:
+    if not 0 <= args.time_budget < math.inf:  # NaN too
         parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
     if not 0 <= args.sampled_share <= 1:
         parser.error(f"--sampled-share must be between 0 and 1, not {args.sampled_share}")
