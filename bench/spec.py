@@ -48,12 +48,13 @@ from functools import cache, partial
 from pathlib import Path
 
 from control.arguments import at_least
-from control.config import ConfigSnapshot, load_config
+from control.config import ConfigError, ConfigSnapshot, load_config
 from daemon import runtime
 from daemon.logs import configure_logging
 from daemon.runtime import Models, load_models
 from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS, CheckpointError
 from engine.controller import Controller
+from engine.device import DeviceError
 from engine.dflash import DFlashModel, load_dflash
 from engine.eagle3 import Eagle3Model, load_eagle3
 from engine.model import Transformer
@@ -73,6 +74,11 @@ class WorkItem:
     arrival_s: float | None
 
 
+WORKLOAD_KEYS = frozenset(
+    {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "phase", "arrival_s"}
+)
+
+
 def read_workload(path: Path) -> list[WorkItem]:
     items = []
     try:
@@ -84,6 +90,12 @@ def read_workload(path: Path) -> list[WorkItem]:
             continue
         try:
             raw = json.loads(line)
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+            if unknown := sorted(set(raw) - WORKLOAD_KEYS):  # a typo would run with a default
+                raise ValueError(f"unknown key {unknown[0]!r}; a request has {', '.join(sorted(WORKLOAD_KEYS))}")
+            if "prompt" not in raw:
+                raise ValueError('no "prompt"')
             params = SamplingParams(
                 max_tokens=int(raw.get("max_tokens", 128)),
                 temperature=float(raw.get("temperature", 0.0)),
@@ -555,21 +567,32 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
+    for out in (args.json, args.plot):  # before the run, not after it
+        if out is not None and not out.parent.is_dir():
+            parser.error(f"{out}: no folder {out.parent} to write it in")
 
     items = read_workload(args.workload)
     if args.url:
         if args.plot:
             parser.error("--plot needs the in-process modes: the HTTP API reports no per-round timeline")
         print(f"workload {args.workload} ({len(items)} requests) through {args.url}, concurrency {args.concurrency}")
-        reports = {"server": run_url(args.url, items, args.concurrency)}
+        import httpx
+
+        try:
+            reports = {"server": run_url(args.url, items, args.concurrency)}
+        except httpx.TransportError as err:  # nothing listening there, a timeout, ...
+            raise SystemExit(f"{parser.prog}: {args.url}: {err}") from None
         print_table(reports)
         if args.json:
             write_reports(args.json, reports)
         return
 
-    snapshot = bench_snapshot(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    models = load_models(snapshot, kinds=drafters_of(modes))
+    try:
+        snapshot = bench_snapshot(args)
+        models = load_models(snapshot, kinds=drafters_of(modes))
+    except (ConfigError, CheckpointError, DeviceError) as err:
+        raise SystemExit(f"{parser.prog}: {err}") from None
     print(
         f"workload {args.workload} ({len(items)} requests), concurrency {args.concurrency}, "
         f"drafter {snapshot.engine.drafter}, candidates {list(snapshot.adaptive.policy.candidate_k)}",

@@ -282,3 +282,13 @@ def test_bench_arguments_out_of_range_are_usage_errors_before_anything_runs(modu
     with pytest.raises(SystemExit) as stopped:
         importlib.import_module(module).main(argv)
     assert stopped.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_workload_line_with_a_key_no_request_has_is_refused_naming_it(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": "x", "temprature": 0.5}\n')  # would have run greedy
+    with pytest.raises(SystemExit, match=r"w.jsonl:1: bad request \(unknown key 'temprature'"):
+        spec_main(["--workload", str(workload)])
+    workload.write_text('{"max_tokens": 5}\n')
+    with pytest.raises(SystemExit, match=r'w.jsonl:1: bad request \(no "prompt"\)'):
+        spec_main(["--workload", str(workload)])

@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
+    for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
+        if value < 1:  # the files would be empty, or requests the benches refuse
+            parser.error(f"{flag} must be at least 1, not {value}")
     args.out.mkdir(parents=True, exist_ok=True)
     for half, packages in HALVES.items():
         funcs = functions(package_files(packages))
