@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("the oracle knows greedy outputs only: the workload has sampled requests")
     if args.url or args.concurrency != 1:
         parser.error("the ceiling runs in-process at batch 1")
+    if args.plot:
+        parser.error("--plot is bench.spec's: the ceiling prints its ratios only")
     snapshot = bench_snapshot(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ks = args.ks

@@ -22,7 +22,7 @@ APPLY_TIMEOUT_S = 30.0
 HELP = {
     "status": "current k, mode, strategy, EMA, round, config generation, last reload, runtime states, throughput",
     "pin": 'hold the draft length: {"k": K}; the policy keeps observing',
-    "unpin": "let the policy choose again, starting from the pinned k",
+    "unpin": "let the policy choose again, from the candidate nearest the pinned k (with adaptation off: static_k)",
     "force": 'switch to {"k": K} at the next boundary, then adapt from there',
     "reload": "re-read the config file; replies with the new generation or every error",
     "config": "the effective configuration, each value marked default, file or admin",
