@@ -286,7 +286,11 @@ class DFlashConfig:
                 short_blocks=dflash.get("short_blocks") is True,
                 sliding_window=window,
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except KeyError as err:
+            if "eagle_config" in raw:
+                raise CheckpointError(f"{source}: an EAGLE-3 head's config, not a DFlash drafter's") from None
+            raise CheckpointError(f"{source}: not a DFlash config (no {err})") from None
+        except (TypeError, ValueError) as err:
             raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None
 
 

@@ -464,7 +464,9 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
     assert "vocabulary of 10" in broken("vocab", lambda c: c.update(vocab_size=10))
     assert "taps [7] outside" in broken("taps", lambda c: c["dflash_config"].update(target_layer_ids=[0, 7]))
     assert "mask token id 999" in broken("mask", lambda c: c["dflash_config"].update(mask_token_id=999))
-    assert "not a DFlash config" in broken("plain", lambda c: c.pop("dflash_config"))
+    assert "not a DFlash config (no 'dflash_config')" in broken("plain", lambda c: c.pop("dflash_config"))
+    eagle3 = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    assert "an EAGLE-3 head's config" in broken("eagle3", lambda c: c.pop("dflash_config") and c.update(eagle3))
     assert "draft vocabulary of 100000" in broken("draft vocab", lambda c: c.update(draft_vocab_size=100000))
     assert "sliding_window must be a whole number of positions >= 1 or null, got -1" in broken(
         "window", lambda c: c.update(sliding_window=-1)
