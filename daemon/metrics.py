@@ -78,7 +78,7 @@ class Metrics:
             "Drafts left unverified because the drafter was unsure of them (adaptive.draft_confidence)",
             registry=registry,
         )
-        self.switches = Counter("adaspec_switches", "Step-count switches, by reason", ["reason"], registry=registry)
+        self.switches = Counter("adaspec_switches", "Draft-length switches, by reason", ["reason"], registry=registry)
 
     def watch(self, loop: EngineLoop, reloader: Reloader) -> None:
         """Report the running daemon's state at every scrape."""

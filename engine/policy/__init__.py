@@ -1,4 +1,4 @@
-"""Adaptive step policies: which k the next round should use.
+"""Adaptive draft-length policies: which k the next round should use.
 
 A policy sees every verified round (the accepted drafts of each request, the batch size, what the
 round cost) and may decide to move to another k. It never touches the engine: the controller
