@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from control.arguments import above_zero
+
 EXIT_OK = 0
 EXIT_ERROR_REPLY = 1
 EXIT_USAGE = 2
@@ -198,14 +200,9 @@ def _k(text: str) -> int:
 
 
 def _timeout(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"timeout must be a number of seconds, not {text!r}") from None
-    if not 0 < seconds <= MAX_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(
-            f"timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, not {text!r}"
-        )
+    seconds = above_zero(text)
+    if seconds > MAX_TIMEOUT_S:  # inf too
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S:g} seconds, not {text}")
     return seconds
 
 
