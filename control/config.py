@@ -439,6 +439,7 @@ def _read_toml(text: str | bytes) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         message = str(err.msg if hasattr(err, "msg") else err)
+        lines = text.split("\n")
         line, column = getattr(err, "lineno", None), getattr(err, "colno", None)
         found = _TOML_POSITION.search(message)
         if found:  # Python < 3.14 only puts the position in the message
@@ -446,11 +447,9 @@ def _read_toml(text: str | bytes) -> dict[str, Any]:
             if found[1]:
                 line, column = int(found[1]), int(found[2])
             else:
-                lines = text.split("\n")
                 line, column = len(lines), len(lines[-1]) + 1
         where = f"line {line}, column {column}: " if line is not None else ""
         # The line itself names the key (tomllib's "Cannot overwrite a value" does not).
-        lines = text.split("\n")
         shown = lines[line - 1].strip() if line is not None and 0 < line <= len(lines) else ""
         quoted = f" at `{shown}`" if shown else ""
         raise ConfigError([ConfigIssue("<toml>", f"{where}{message}{quoted}")]) from None

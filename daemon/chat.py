@@ -38,19 +38,12 @@ class ChatTemplateError(ValueError):
 
 
 class ChatTemplate:
-    def __init__(
-        self,
-        source: str | None = None,
-        bos_token: str = "",
-        eos_token: str = "",
-        special_tokens: Mapping[str, str] | None = None,
-    ) -> None:
-        """`source` is the Jinja2 text, or None for the plain fallback; `special_tokens`: the
-        others templates may name (`unk_token`, `pad_token`, ...)."""
+    def __init__(self, source: str | None = None, special_tokens: Mapping[str, str] | None = None) -> None:
+        """`source` is the Jinja2 text, or None for the plain fallback; `special_tokens`: the text
+        of each one templates may name (`bos_token`, `eos_token`, `pad_token`, ...), "" where the
+        checkpoint has none."""
         self.source = source
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self.special_tokens = {**(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token}
+        self.special_tokens = {name: "" for name in _SPECIAL_TOKENS} | dict(special_tokens or {})
         try:
             self._template = _environment().from_string(source) if source is not None else None
         except TemplateError as err:
@@ -69,8 +62,7 @@ class ChatTemplate:
         jinja_file = path / "chat_template.jinja"
         if jinja_file.exists():
             source = jinja_file.read_text()
-        special = {name: _token_text(config.get(name)) for name in _SPECIAL_TOKENS}
-        return cls(source or None, special.pop("bos_token"), special.pop("eos_token"), special)
+        return cls(source or None, {name: _token_text(config.get(name)) for name in _SPECIAL_TOKENS})
 
     @property
     def adds_special_tokens(self) -> bool:

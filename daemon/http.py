@@ -175,16 +175,16 @@ class OpenAIApi:
             raise ApiError(404, message, param="model", code="model_not_found")
         prompt = self._prompt_ids(req)
         prompt_param = "messages" if req.chat else "prompt"
-        if req.max_tokens is None and len(prompt) >= self.max_seq_len:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {self.max_seq_len} tokens; the "
-                f"{prompt_param} take {len(prompt)}, leaving none to generate. Shorten the {prompt_param}.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        max_tokens = req.max_tokens if req.max_tokens is not None else self.max_seq_len - len(prompt)
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.max_seq_len - len(prompt))
         if len(prompt) + max_tokens > self.max_seq_len:
+            if req.max_tokens is None:  # the prompt alone fills the context
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {self.max_seq_len} tokens; the "
+                    f"{prompt_param} take {len(prompt)}, leaving none to generate. Shorten the {prompt_param}.",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
             raise ApiError(
                 400,
                 f"This model's maximum context length is {self.max_seq_len} tokens; this request needs "

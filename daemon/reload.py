@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -102,7 +103,9 @@ class Reloader:
                 restart_required=self.pending_restart(),
             )
         try:
-            new = parse_config(data, path=self.path, generation=current.generation + 1, check_models=True)
+            # Off the event loop: checking the models reads their headers and parses their tokenizer.
+            check = partial(parse_config, data, path=self.path, generation=current.generation + 1, check_models=True)
+            new = await anyio.to_thread.run_sync(check)
         except ConfigError as err:
             return self._rejected(trigger, *(str(issue) for issue in err.issues))
 
