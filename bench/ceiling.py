@@ -56,7 +56,7 @@ class OracleDrafter:
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         pass
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
         proposals = []
         for seq, k in zip(seqs, ks):
             done = len(seq.output)

@@ -251,8 +251,9 @@ SCHEMA: Mapping[str, Section] = {
                            lo=0, lo_open=True, hi=1),
         "exploration_backoff": Key("float", 2.0, "measured: how many times longer each further try of a"
                                    " shorter k that lost again waits", lo=1),
-        "draft_confidence": Key("float", 0.1, "verify a draft only while the drafter's running confidence in the"
-                                " round's drafts is at least this (dflash); 0 = all k", lo=0, hi=1),
+        "draft_confidence": Key("float", 0.1, "verify a draft only while the drafter is at least this sure:"
+                                " dflash of the drafts so far (their product), eagle3 of each greedy draft;"
+                                " 0 = all k", lo=0, hi=1),
         "slots": Key("slots", (), "candidate lists by batch size ([[adaptive.slots]])"),
     }),
     "admin": Section(AdminSettings, live=False, doc="the admin socket", keys={

@@ -139,8 +139,8 @@ class Engine:
             self.graph_runner = GraphRunner(self.model, self.cache, self.backend, sizes)
             if isinstance(drafter, DraftModelDrafter):
                 self.draft_graph_runner = GraphRunner(drafter.model, drafter.cache, self.backend, sizes)
-        # A draft is verified only while the drafter's running confidence in the round's drafts
-        # stays at least this (0: every draft); set by the controller while the policy adapts.
+        # How sure a drafter must be of a draft for it to be verified (0: every draft; the rule
+        # is the drafter's, `Drafter.propose`); set by the controller while the policy adapts.
         self.draft_confidence = 0.0
         self.round = 0
         self.running: list[Sequence] = []
@@ -350,11 +350,10 @@ class Engine:
     def _round(self, state: RuntimeState, seqs: list[Sequence], outputs: dict, result: StepResult) -> None:
         started = time.perf_counter()
         proposals = self.draft(state, seqs)
-        if self.draft_confidence > 0:
-            for proposal in proposals:
-                drafts = len(proposal.tokens)
-                proposal.keep(proposal.confident_drafts(self.draft_confidence))
-                result.drafts_trimmed += drafts - len(proposal.tokens)
+        for proposal in proposals:
+            # A block's confidences came with it: trimmed here. A chain drafter stopped itself.
+            proposal.keep(proposal.confident_drafts(self.draft_confidence))
+            result.drafts_trimmed += proposal.trimmed
         drafted = time.perf_counter()
         emitted, hidden = self.verify(seqs, proposals, state)
         verified = time.perf_counter()
@@ -383,7 +382,7 @@ class Engine:
             return [Proposal([]) for _ in seqs]
         # Never draft past max_tokens: the target's own token always comes after the drafts.
         ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
-        return self.drafter.propose(seqs, ks)
+        return self.drafter.propose(seqs, ks, self.draft_confidence)
 
     def verify(
         self, seqs: Seq[Sequence], proposals: Seq[Proposal], state: RuntimeState | None = None

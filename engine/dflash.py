@@ -302,7 +302,8 @@ class DFlashDrafter:
             self.cache.v[i, slots, where] = v
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
+        # The engine trims a block by its confidences (`Proposal.confidence`): all of them come at once.
         proposals = [Proposal([]) for _ in seqs]
         rows = [i for i, k in enumerate(ks) if k > 0]
         if not rows:

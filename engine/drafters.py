@@ -4,8 +4,10 @@ Every drafter follows the same protocol, so the engine never asks which one it h
 
 - `admit(seqs, hidden)`: new sequences joined (their prompts are in `seq.tokens`; `hidden` holds
   the prefill's hidden states at `capture_layers`, a row per sequence);
-- `propose(seqs, ks)`: up to `ks[i]` draft tokens for sequence i, with the drafter's
-  probabilities for each (None means the proposal is deterministic: a one-hot distribution);
+- `propose(seqs, ks, floor)`: up to `ks[i]` draft tokens for sequence i, with the drafter's
+  probabilities for each (None means the proposal is deterministic: a one-hot distribution); a
+  drafter that drafts a step at a time and knows how sure it is of each draft may stop a chain
+  at a draft it is less sure of than `floor` (0: never), saying how many it left out;
 - `accept(seqs, accepted, hidden)`: after verification, `accepted[i]` drafts of sequence i were
   kept and `seq.tokens` already holds them plus the target's token; roll back the rest;
 - `release(seq)`: the sequence left.
@@ -46,6 +48,7 @@ class Proposal:
     # trim by. Never the probability of the sampled draft itself: a sampled draft dropped for its
     # own value would bend the distribution the target's rejection rule corrects.
     confidence: list[float] | None = None
+    trimmed: int = 0  # drafts left out because the drafter was unsure of them
 
     def confident_drafts(self, floor: float) -> int:
         """How many leading drafts keep the running product of their confidences at or above
@@ -62,6 +65,7 @@ class Proposal:
     def keep(self, count: int) -> None:
         """Only the first `count` drafts are verified. Lossless whatever the count, since it is
         chosen before the target sees any of them."""
+        self.trimmed += max(0, len(self.tokens) - count)
         self.tokens = self.tokens[:count]
         if self.probs is not None:
             self.probs = self.probs[:count]
@@ -118,7 +122,7 @@ class Drafter(Protocol):
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None: ...
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]: ...
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]: ...
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None: ...
 
@@ -203,7 +207,7 @@ class DraftModelDrafter:
             out = self.model(batch, self.cache, last_only=True)
         return out.logits[:, -1]
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
         proposals = [Proposal([]) for _ in seqs]
         probs: list[list[Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -388,7 +392,7 @@ class NgramDrafter:
         for seq in seqs:
             self.indexes[seq] = NgramIndex(self.min_n, self.max_n)
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
         # Deterministic: the drafter's distribution is one-hot.
         return [Proposal(self.lookup(seq, k)[0]) for seq, k in zip(seqs, ks)]
 
@@ -431,9 +435,10 @@ class LookupFirst:
         super().admit(seqs, hidden)  # type: ignore[misc]
         self.lookups.admit(seqs)
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
         found = self.lookups.propose(seqs, [k if seq.params.greedy else 0 for seq, k in zip(seqs, ks)])
-        drafted = super().propose(seqs, [0 if lookup.tokens else k for lookup, k in zip(found, ks)])  # type: ignore[misc]
+        rest = [0 if lookup.tokens else k for lookup, k in zip(found, ks)]
+        drafted = super().propose(seqs, rest, floor)  # type: ignore[misc]
         return [lookup if lookup.tokens else proposal for lookup, proposal in zip(found, drafted)]
 
     def release(self, seq: Sequence) -> None:

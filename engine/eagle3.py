@@ -485,7 +485,12 @@ class Eagle3Drafter:
         return logits
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
+        """Each row's chain; a greedy one stops at the first draft the head gives a probability
+        below `floor`, leaving it out: the head is under-confident (trained on the target's soft
+        distribution, its top probability is spread where the target's is), so a running product
+        of its probabilities would stop nearly every chain early. Sampled chains, and chains
+        replayed from a captured graph, run whole."""
         proposals = [Proposal([]) for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
@@ -495,13 +500,13 @@ class Eagle3Drafter:
         greedy = [i for i in active if seqs[i].params.greedy]
         if self.rounds_in_one_call and extend is not None and len(greedy) == len(extend.selected) == len(active):
             # Every row greedy and caught up here: the extend and the chains in one call.
-            self.native_round(seqs, ks, active, extend, proposals)
+            self.native_round(seqs, ks, active, extend, proposals, floor)
             return proposals
         if extend is not None:
             self.step(*extend, taps=True)
         if greedy and self.native is not None and self.graphs is None:
             # Greedy chains run whole in the kernels: a step from Python costs a third again of its arithmetic.
-            self.native_chains(seqs, ks, greedy, proposals)
+            self.native_chains(seqs, ks, greedy, proposals, floor)
             active = [i for i in active if not seqs[i].params.greedy]
         elif greedy and self.graph_chains(seqs, ks, greedy, proposals):
             active = [i for i in active if not seqs[i].params.greedy]
@@ -511,11 +516,17 @@ class Eagle3Drafter:
                 self.native_sampled_chains(seqs, ks, drawn, proposals)
                 active = [i for i in active if i not in drawn]
         if active:
-            self.chains(seqs, ks, active, proposals)
+            self.chains(seqs, ks, active, proposals, floor)
         return proposals
 
     def native_round(
-        self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], extend: Extend, proposals: list[Proposal]
+        self,
+        seqs: Seq[Sequence],
+        ks: Seq[int],
+        rows: list[int],
+        extend: Extend,
+        proposals: list[Proposal],
+        floor: float = 0.0,
     ) -> None:
         """The draft-extend and the greedy chains of seqs[rows] in one call to the compiled kernels."""
         assert self.native is not None
@@ -531,25 +542,34 @@ class Eagle3Drafter:
             self.draft_ids,
             self.next_feature,
             self.next_logits,
+            floor,
         )
-        for i, tokens in zip(rows, drafts):
-            proposals[i].tokens = tokens
+        for i, n, tokens in zip(rows, steps, drafts):
+            proposals[i].tokens, proposals[i].trimmed = tokens, n + 1 - len(tokens)
 
     def chain_steps(self, ks: Seq[int], rows: list[int], starts: list[int]) -> list[int]:
         """Steps after the first draft of each row's compiled chain, as the step-by-step chain
         takes them: ks[i] - 1, while the cache has room past the row's `starts` entries."""
         return [max(0, min(ks[i] - 1, self.cache.max_seq_len - start)) for i, start in zip(rows, starts)]
 
-    def native_chains(self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]) -> None:
-        """Greedy chains for seqs[rows], each in one call to the compiled kernels."""
+    def native_chains(
+        self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal], floor: float = 0.0
+    ) -> None:
+        """Greedy chains for seqs[rows] in one call to the compiled kernels, each stopping at
+        a draft of probability below `floor`."""
         assert self.native is not None
         slots = [seqs[i].draft_slot for i in rows]
         starts = [self.cache.lengths[s] for s in slots]
         steps = self.chain_steps(ks, rows, starts)
-        first = self.draft_ids[self.next_logits[slots].argmax(dim=-1)].tolist()
-        drafts = self.native.chain(self.cache, slots, starts, steps, first, self.next_feature[slots], self.draft_ids)
-        for i, tokens in zip(rows, drafts):
-            proposals[i].tokens = tokens
+        logits = self.next_logits[slots]
+        first = self.draft_ids[logits.argmax(dim=-1)].tolist()
+        sure = (logits.float().softmax(dim=-1).amax(dim=-1) >= floor).tolist() if floor > 0 else None
+        features = self.next_feature[slots]
+        drafts = self.native.chain(
+            self.cache, slots, starts, steps, first, features, self.draft_ids, stop_below=floor, first_kept=sure
+        )
+        for i, n, tokens in zip(rows, steps, drafts):
+            proposals[i].tokens, proposals[i].trimmed = tokens, n + 1 - len(tokens)
 
     def native_sampled_chains(
         self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]
@@ -597,25 +617,36 @@ class Eagle3Drafter:
             proposals[i].tokens = drafts[: ks[i]]
         return True
 
-    def chains(self, seqs: Seq[Sequence], ks: Seq[int], active: list[int], proposals: list[Proposal]) -> None:
-        """Chains for seqs[active] a step at a time, sampled drafts with their probabilities."""
+    def chains(
+        self, seqs: Seq[Sequence], ks: Seq[int], active: list[int], proposals: list[Proposal], floor: float = 0.0
+    ) -> None:
+        """Chains for seqs[active] a step at a time, sampled drafts with their probabilities; a
+        greedy chain stops at a draft of probability below `floor`, as the compiled one does."""
         probs: list[list[Tensor]] = [[] for _ in seqs]
+        rows = list(active)
         logits = self.next_logits[[seqs[i].draft_slot for i in active]]
+        unsure: set[int] = set()  # greedy rows whose chain stopped at a draft below the floor
         step = 0
         while True:
             tokens = self.draft_ids[logits.argmax(dim=-1)].tolist()
+            if floor > 0:
+                top = logits.float().softmax(dim=-1).amax(dim=-1).tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if not seq.params.greedy:
                     q = target_probs(logits[row], seq.params)
                     tokens[row] = int(self.draft_ids[sample(q, seq.generator)])
                     probs[i].append(self.model.full_probabilities(q, self.draft_ids))
+                elif floor > 0 and top[row] < floor:
+                    unsure.add(i)
+                    continue
                 proposals[i].tokens.append(tokens[row])
             # Sequences that want more drafts, and have room for the chain's next entry.
             going = [
                 row
                 for row, i in enumerate(active)
-                if len(proposals[i].tokens) < ks[i]
+                if i not in unsure
+                and len(proposals[i].tokens) < ks[i]
                 and self.cache.lengths[seqs[i].draft_slot] + step < self.cache.max_seq_len
             ]
             if not going:
@@ -627,6 +658,10 @@ class Eagle3Drafter:
         for i, q in enumerate(probs):
             if q:
                 proposals[i].probs = torch.stack(q)
+        starts = [self.cache.lengths[seqs[i].draft_slot] for i in rows]
+        for i, n in zip(rows, self.chain_steps(ks, rows, starts)):
+            if i in unsure:
+                proposals[i].trimmed = n + 1 - len(proposals[i].tokens)
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:

@@ -461,6 +461,17 @@ static int argmax(const float *row, int n) {
     return best;
 }
 
+/* The softmax probability of row[best], the row's largest value: 1 over the sum of e^(x - row[best]). */
+static float top_probability(const float *row, int n, int best) {
+    const float most = row[best];
+    vf total = (vf){0};
+    int v = 0;
+    for (; v + 16 <= n; v += 16) total += vexp(*(const vf_unaligned *)(row + v) - most);
+    float sum = hsum(total);
+    for (; v < n; v++) sum += expf(row[v] - most);
+    return 1.0f / sum;
+}
+
 /* Runs the forward; returns 0, or -1 when memory for the activations could not be had. */
 int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     const int hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
@@ -809,12 +820,15 @@ static int draw(const float *logits, int n, float inv_temperature, float top_p, 
  * j < steps[r]: the argmax of its logits (the first of equals, as torch.argmax), or with
  * `uniforms` ([rows, width]) a draw at uniforms[r * width + j + 1] from the row's
  * inv_temperature[r] and top_p[r] (`draw`), its probabilities written to probs[(r * width + j +
- * 1) * vocab ..]; mapped by draft_to_target. Rows that are done drop out of the later steps. */
+ * 1) * vocab ..]; mapped by draft_to_target. Rows that are done drop out of the later steps.
+ * drafted[r] counts row r's drafts (in: 1, or 0 for a row that drafts no more). A greedy row stops
+ * at the first draft whose probability under the head is below stop_below (0: never); that draft
+ * is not kept. */
 int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_before_residual, const Cache *cache,
                          int rows, const int32_t *slot, const int32_t *start, const int32_t *steps,
                          const int64_t *draft_to_target, float *features, int64_t *tokens, int width,
                          const float *inv_temperature, const float *top_p, const double *uniforms, float *probs,
-                         int threads) {
+                         float stop_below, int32_t *drafted, int threads) {
     const int hidden = m->hidden, vocab = m->vocab;
     int longest = 0;
     for (int r = 0; r < rows; r++)
@@ -833,7 +847,7 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
     for (int j = 0; j < longest && !failed; j++) {
         int n = 0;
         for (int r = 0; r < rows; r++) {
-            if (steps[r] <= j) continue;
+            if (steps[r] <= j || drafted[r] != j + 1) continue;
             row_of[n] = r, slots[n] = slot[r], positions[n] = start[r] + j, selected[n] = n;
             ids[n] = tokens[(int64_t)r * width + j];
             memcpy(in + (int64_t)n * hidden, features + (int64_t)r * hidden, sizeof(float) * (size_t)hidden);
@@ -851,6 +865,9 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
                 failed = -1;
                 break;
             }
+            if (!uniforms && stop_below > 0 && top_probability(logits + (int64_t)s * vocab, vocab, pick) < stop_below)
+                continue;
+            drafted[r] = j + 2;
             tokens[at] = draft_to_target[pick];
             memcpy(features + (int64_t)r * hidden, out + (int64_t)s * hidden, sizeof(float) * (size_t)hidden);
         }
@@ -864,12 +881,14 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
  * whose output feature and draft-vocabulary logits become slot[selected[r]]'s next ones
  * (next_features [slots, hidden], next_logits [slots, vocab]), then each row's greedy chain from
  * there (adaspec_eagle3_chain): its first draft the argmax of those logits, then steps[r] more,
- * written to tokens[r * width ..]. */
+ * written to tokens[r * width ..], and how many there are to drafted[r]: fewer where a draft's
+ * probability under the head is below stop_below (as adaspec_eagle3_chain stops). */
 int adaspec_eagle3_round(const Model *m, const float *hidden_norm, int norm_before_residual, const Linear *fc,
                          const Cache *cache, int count, const int64_t *token_ids, const float *taps,
                          const int32_t *slot, const int32_t *position, int rows, const int32_t *selected,
                          const int32_t *steps, const int64_t *draft_to_target, float *next_features,
-                         float *next_logits, int64_t *tokens, int width, int threads) {
+                         float *next_logits, int64_t *tokens, int width, float stop_below, int32_t *drafted,
+                         int threads) {
     const int hidden = m->hidden, vocab = m->vocab;
     float *arena = malloc(sizeof(float) * (size_t)rows * (hidden + vocab));
     int32_t *meta = malloc(sizeof(int32_t) * (size_t)rows * 2);
@@ -886,11 +905,15 @@ int adaspec_eagle3_round(const Model *m, const float *hidden_norm, int norm_befo
         row_slot[r] = slot[t], start[r] = position[t] + 1;
         memcpy(next_features + (int64_t)slot[t] * hidden, features + (int64_t)r * hidden, sizeof(float) * (size_t)hidden);
         memcpy(next_logits + (int64_t)slot[t] * vocab, logits + (int64_t)r * vocab, sizeof(float) * (size_t)vocab);
-        tokens[(int64_t)r * width] = draft_to_target[argmax(logits + (int64_t)r * vocab, vocab)];
+        const float *row = logits + (int64_t)r * vocab;
+        const int first = argmax(row, vocab);
+        tokens[(int64_t)r * width] = draft_to_target[first];
+        drafted[r] = stop_below > 0 && top_probability(row, vocab, first) < stop_below ? 0 : 1;
     }
     if (!failed)
         failed = adaspec_eagle3_chain(m, hidden_norm, norm_before_residual, cache, rows, row_slot, start, steps,
-                                      draft_to_target, features, tokens, width, NULL, NULL, NULL, NULL, threads);
+                                      draft_to_target, features, tokens, width, NULL, NULL, NULL, NULL, stop_below,
+                                      drafted, threads);
     free(arena), free(meta);
     return failed;
 }

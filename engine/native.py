@@ -271,13 +271,15 @@ def _load(path: Path) -> ctypes.CDLL:
         _ptr,
         _ptr,
         _ptr,
+        ctypes.c_float,
+        ctypes.POINTER(_i32),
         ctypes.c_int,
     ]
     lib.adaspec_eagle3_chain.restype = ctypes.c_int
     lib.adaspec_nucleus.argtypes = [_ptr, ctypes.c_int, ctypes.c_int, ctypes.c_float, _ptr]
     lib.adaspec_nucleus.restype = ctypes.c_int
     # The step's arguments up to `selected`, then the chains' steps, the vocabulary map, the next
-    # features and logits, the drafts and their width, and the threads.
+    # features and logits, the drafts and their width, the stop and the counts, and the threads.
     lib.adaspec_eagle3_round.argtypes = [
         *lib.adaspec_eagle3_step.argtypes[:12],
         ctypes.POINTER(_i32),
@@ -286,6 +288,8 @@ def _load(path: Path) -> ctypes.CDLL:
         _ptr,
         _ptr,
         ctypes.c_int,
+        ctypes.c_float,
+        ctypes.POINTER(_i32),
         ctypes.c_int,
     ]
     lib.adaspec_eagle3_round.restype = ctypes.c_int
@@ -775,17 +779,21 @@ class NativeEagle3:
         features: Tensor,
         draft_ids: Tensor,
         sampling: Sampling | None = None,
+        stop_below: float = 0.0,
+        first_kept: Sequence[bool] | None = None,
     ) -> list[list[int]]:
         """Chains in one call: row r drafts `steps[r]` tokens after its first draft `first[r]`,
         from its last verified output feature (`features` [rows, hidden]), its entries written at
         starts[r] onwards, each draft id mapped to a target id by `draft_ids` (int64). Greedy, or
-        drawn as `sampling` says (its probs filled in past each row's first draft). Each row's
-        drafts, its first included."""
+        drawn as `sampling` says (its probs filled in past each row's first draft). A greedy row
+        stops at a draft of probability below `stop_below`, without it; a row whose `first_kept`
+        is False drafts nothing. Each row's drafts, its first included."""
         rows, width = len(slots), max(steps) + 1
         tokens = torch.zeros(rows, width, dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
         features = features.float().contiguous().clone()  # the kernel overwrites it step by step
-        meta, per_row = _int32_lists(slots, starts, steps)
+        kept = [1] * rows if first_kept is None else [int(k) for k in first_kept]
+        meta, (*per_row, drafted) = _int32_lists(slots, starts, steps, kept)
         drawn = (0, 0, 0, 0)
         if sampling is not None:
             assert sampling.uniforms.shape == (rows, width) and sampling.probs.shape[:2] == (rows, width)
@@ -803,11 +811,13 @@ class NativeEagle3:
             tokens.data_ptr(),
             width,
             *drawn,
+            stop_below,
+            drafted,
             torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("the compiled EAGLE-3 chain could not allocate its activations")
-        return [row[: n + 1] for row, n in zip(tokens.tolist(), steps)]
+        return [row[: drafted[r]] for r, row in enumerate(tokens.tolist())]
 
     def round(
         self,
@@ -821,15 +831,18 @@ class NativeEagle3:
         draft_ids: Tensor,
         next_features: Tensor,
         next_logits: Tensor,
+        stop_below: float = 0.0,
     ) -> list[list[int]]:
         """A round's greedy drafting in one call: the draft-extend (`step` with taps), whose
         selected outputs become their slots' rows of `next_features` and `next_logits` (float32,
         by slot), then each selected row's chain as `chain` drafts it, `steps[r]` steps after the
-        first draft. Each row's drafts, its first included."""
+        first draft, stopping where `chain` stops. Each row's drafts, its first included."""
         count, rows, width = len(tokens), len(selected), max(steps) + 1
         taps = taps.float().contiguous()
         ids = (ctypes.c_int64 * count)(*tokens)
-        meta, (slot, position, chosen, chain_steps) = _int32_lists(slots, positions, selected, steps)
+        meta, (slot, position, chosen, chain_steps, drafted) = _int32_lists(
+            slots, positions, selected, steps, [0] * rows
+        )
         drafts = torch.zeros(rows, width, dtype=torch.long)
         failed = self.lib.adaspec_eagle3_round(
             ctypes.byref(self.model),
@@ -850,8 +863,10 @@ class NativeEagle3:
             next_logits.data_ptr(),
             drafts.data_ptr(),
             width,
+            stop_below,
+            drafted,
             torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("the compiled EAGLE-3 round could not allocate its activations")
-        return [row[: n + 1] for row, n in zip(drafts.tolist(), steps)]
+        return [row[: drafted[r]] for r, row in enumerate(drafts.tolist())]

@@ -168,8 +168,8 @@ def test_a_confidence_floor_verifies_only_the_drafts_the_drafter_is_sure_of(pair
     seen: list[tuple[list[float], int]] = []  # each row's confidences and the drafts it verified
     propose = engine.drafter.propose
 
-    def recording(seqs, ks):
-        proposals = propose(seqs, ks)
+    def recording(seqs, ks, *rest):
+        proposals = propose(seqs, ks, *rest)
         seen.extend((list(p.confidence), len(p.tokens)) for p in proposals if p.confidence)
         return proposals
 
@@ -187,8 +187,8 @@ def test_a_confidence_floor_verifies_only_the_drafts_the_drafter_is_sure_of(pair
     drafted: list[tuple[Proposal, list[float]]] = []  # each proposal, and its confidences before the trim
     propose = engine.drafter.propose
 
-    def recording_again(seqs, ks):
-        proposals = propose(seqs, ks)
+    def recording_again(seqs, ks, *rest):
+        proposals = propose(seqs, ks, *rest)
         drafted.extend((p, list(p.confidence or [])) for p in proposals)
         return proposals
 

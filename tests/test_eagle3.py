@@ -13,8 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from daemon.metrics import Metrics
+from engine import native as kernels
 from engine.config import CheckpointError, Eagle3Config, ModelConfig, eagle3_taps
-from engine.core import Engine
+from engine.core import Engine, StepResult
 from engine.drafters import Proposal
 from engine.eagle3 import Eagle3Drafter, Eagle3Model, Extend, HybridEagle3Drafter, load_eagle3, save_eagle3
 from engine.generate import generate
@@ -138,6 +140,37 @@ def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, trained_he
     assert proposed > 0
     if trained:
         assert 0 < accepted < proposed  # kept some, rejected others
+
+
+@pytest.mark.parametrize("kind", [Eagle3Drafter, HybridEagle3Drafter])
+@pytest.mark.parametrize("native", [True, False], ids=["kernels", "pytorch"])
+def test_a_confidence_floor_stops_chains_early_and_stays_lossless(pair, trained_head, kind, native, monkeypatch):
+    """While the policy adapts (engine.draft_confidence), the head's greedy chains stop at a
+    draft it is unsure of: rounds verify fewer drafts than k, the metric counts the drafts left
+    out, and the output is target-only's with k changed at random every round."""
+    target, _ = pair
+    if native and target.model.native is None:
+        pytest.skip("no compiled kernels here")
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    if not native:
+        monkeypatch.setattr(kernels, "available", lambda *args: False)
+    drafter = kind(trained_head, target.model, 4, MAX_SEQ_LEN)
+    assert (drafter.native is not None) == native
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, (0, 1, 2, 3, 5))
+    engine.draft_confidence = 0.1
+    metrics, step = Metrics(max_k=5), engine.step
+
+    def observed() -> StepResult:
+        result = step()
+        metrics.observe_step(result)
+        return result
+
+    engine.step = observed  # type: ignore[method-assign]
+    assert serve_switching(engine, params, seed=3) == expected
+    trimmed = re.search(r"^adaspec_trimmed_drafts_total (\S+)$", metrics.exposition().decode(), re.M)
+    assert trimmed and float(trimmed.group(1)) > 0
+    assert sum(state.stats.drafts_proposed for state in engine.states.values()) > 0
 
 
 def test_lookups_in_front_of_the_head_stay_lossless_and_spare_its_steps(pair, trained_head):
@@ -359,6 +392,19 @@ def test_the_compiled_head_computes_what_the_pytorch_one_does(pair, tmp_path, no
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+def caught_up_head(target, head: Eagle3Model, prompts: list[list[int]]) -> tuple[Eagle3Drafter, list[Sequence]]:
+    """A drafter over `head` that has taken in the prompts (the target's prefill taps) and made
+    their entries: ready to draft each one's chain."""
+    drafter = Eagle3Drafter(head, target.model, len(prompts), MAX_SEQ_LEN)
+    cache = target.model.new_cache(len(prompts), MAX_SEQ_LEN)
+    slots = [cache.allocate() for _ in prompts]
+    batch = target.model.batch(cache, slots, [p[:-1] for p in prompts])
+    seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(prompts)]
+    drafter.admit(seqs, target.model(batch, cache, capture=drafter.capture_layers).hidden)
+    drafter.catch_up(seqs)
+    return drafter, seqs
+
+
 def test_the_compiled_greedy_chain_drafts_what_the_chain_step_by_step_does(pair, trained_head):
     """Greedy chains run whole in the kernels, one call a round: rows with different k (one drops
     out early, one has no steps after its first draft) draft exactly the tokens of the chain run a
@@ -367,13 +413,7 @@ def test_the_compiled_greedy_chain_drafts_what_the_chain_step_by_step_does(pair,
     if target.model.native is None:
         pytest.skip("no compiled kernels here")
     prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1], PROMPTS[3]]
-    drafter = Eagle3Drafter(trained_head, target.model, len(prompts), MAX_SEQ_LEN)
-    cache = target.model.new_cache(len(prompts), MAX_SEQ_LEN)
-    slots = [cache.allocate() for _ in prompts]
-    batch = target.model.batch(cache, slots, [p[:-1] for p in prompts])
-    seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(prompts)]
-    drafter.admit(seqs, target.model(batch, cache, capture=drafter.capture_layers).hidden)
-    drafter.catch_up(seqs)
+    drafter, seqs = caught_up_head(target, trained_head, prompts)
     ks, rows = [7, 3, 1], [0, 1, 2]
     compiled = [Proposal([]) for _ in seqs]
     drafter.native_chains(seqs, ks, rows, compiled)
@@ -385,6 +425,55 @@ def test_the_compiled_greedy_chain_drafts_what_the_chain_step_by_step_does(pair,
     assert len({tuple(p.tokens) for p in compiled}) == len(seqs)  # the rows drafted their own chains
     for seq, before in zip(seqs, entries):
         assert torch.allclose(drafter.cache.k[0, seq.draft_slot], before, atol=1e-5)
+
+
+def test_a_greedy_chain_stops_at_the_first_draft_the_head_is_unsure_of(pair, trained_head):
+    """With a floor, each greedy chain keeps its drafts up to the first one whose probability
+    under the head is below it, and drafts nothing after: in the kernels as step by step, the
+    same drafts as the whole chain's first ones, and the rest counted as trimmed."""
+    target, _ = pair
+    prompts = [PROMPTS[2] + PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0]]
+    drafter, seqs = caught_up_head(target, trained_head, prompts)
+    rows, ks = list(range(len(seqs))), [7] * len(seqs)
+    saved = drafter.next_logits.clone(), drafter.next_feature.clone()
+
+    def chains(compiled: bool, floor: float) -> list[Proposal]:
+        drafter.next_logits[:], drafter.next_feature[:] = saved  # a step-by-step chain moves them on
+        proposals = [Proposal([]) for _ in seqs]
+        if compiled:
+            drafter.native_chains(seqs, ks, rows, proposals, floor)
+        else:
+            drafter.chains(seqs, ks, rows, proposals, floor)
+        return proposals
+
+    # Each draft's probability under the head, as the whole chain goes (floor 0).
+    sure: dict[int, list[float]] = {s.draft_slot: [] for s in seqs}
+    step = drafter.draft
+
+    def recording(slots, tokens, at):
+        logits = step(slots, tokens, at)
+        for slot, top in zip(slots, logits.float().softmax(dim=-1).amax(dim=-1).tolist()):
+            sure[slot].append(top)
+        return logits
+
+    first = saved[0][[s.draft_slot for s in seqs]].float().softmax(dim=-1).amax(dim=-1).tolist()
+    for seq, top in zip(seqs, first):
+        sure[seq.draft_slot].append(top)
+    drafter.draft = recording
+    whole = chains(compiled=False, floor=0.0)
+    drafter.draft = step
+    assert all(len(p.tokens) == 7 for p in whole)
+    chances = [sure[s.draft_slot][:7] for s in seqs]
+    floor = sorted(c for row in chances for c in row)[len(seqs) * 7 // 3]  # a third of the drafts below it
+    kept = [next((j for j, c in enumerate(row) if c < floor), 7) for row in chances]
+    assert 0 < sum(kept) < 7 * len(seqs) and len(set(kept)) > 1, "some chains stop early, at different drafts"
+    ways = [chains(compiled=False, floor=floor)]
+    if target.model.native is not None:
+        ways.append(chains(compiled=True, floor=floor))
+    for proposals in ways:
+        assert [len(p.tokens) for p in proposals] == kept
+        assert [p.tokens for p in proposals] == [w.tokens[:n] for w, n in zip(whole, kept)]
+        assert [p.trimmed for p in proposals] == [7 - n for n in kept]
 
 
 def test_the_compiled_sampled_chain_draws_what_the_chain_step_by_step_does(pair, trained_head):
@@ -417,11 +506,12 @@ def test_the_compiled_sampled_chain_draws_what_the_chain_step_by_step_does(pair,
         torch.testing.assert_close(mine.probs, theirs.probs, atol=1e-5, rtol=1e-4)
 
 
-def test_a_greedy_round_in_one_call_drafts_what_the_extend_and_the_step_chain_do(pair, trained_head):
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_a_greedy_round_in_one_call_drafts_what_the_extend_and_the_step_chain_do(pair, trained_head, floor):
     """On the compiled kernels a greedy round's draft-extend and chains are one call: rows with
     different k draft exactly the tokens of the extend and the chains called apart (and of the
-    chain run a step at a time from Python), and leave the same next logits, features and cache
-    entries."""
+    chain run a step at a time from Python), stopping where they stop under a floor, and leave
+    the same next logits, features and cache entries."""
     target, _ = pair
     if target.model.native is None:
         pytest.skip("no compiled kernels here")
@@ -437,20 +527,22 @@ def test_a_greedy_round_in_one_call_drafts_what_the_extend_and_the_step_chain_do
         seqs = [Sequence(Request(tuple(p)), slot=i, generator=None, tokens=list(p)) for i, p in enumerate(prompts)]
         drafter.admit(seqs, target.model(batch, cache, capture=drafter.capture_layers).hidden)
         if one_call:
-            proposals = drafter.propose(seqs, ks)
+            proposals = drafter.propose(seqs, ks, floor)
         else:
             drafter.catch_up(seqs)
             proposals = [Proposal([]) for _ in seqs]
-            drafter.native_chains(seqs, ks, [0, 1, 2], proposals)
+            drafter.native_chains(seqs, ks, [0, 1, 2], proposals, floor)
         after = {name: getattr(drafter, name).clone() for name in ("next_logits", "next_feature")}
         entries = drafter.cache.k[0].clone()
         if not one_call:
             stepped = [Proposal([]) for _ in seqs]
-            drafter.chains(seqs, ks, [0, 1, 2], stepped)  # last: it moves the next logits
+            drafter.chains(seqs, ks, [0, 1, 2], stepped, floor)  # last: it moves the next logits
             assert [p.tokens for p in stepped] == [p.tokens for p in proposals]
         served.append((drafter, [p.tokens for p in proposals], after, entries))
+        assert [len(p.tokens) + p.trimmed for p in proposals] == ks
     (fused, drafts, fused_after, fused_entries), (apart, expected, apart_after, apart_entries) = served
-    assert drafts == expected and [len(d) for d in drafts] == ks
+    assert drafts == expected
+    assert ([len(d) for d in drafts] == ks) == (floor == 0), "a floor stops some chain early"
     for name, value in fused_after.items():
         assert torch.equal(value, apart_after[name]), name
     assert fused.cache.lengths == apart.cache.lengths
