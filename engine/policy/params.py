@@ -42,9 +42,9 @@ class PolicyParams:
     # measured: each further try of a shorter neighbour that lost again waits this many times
     # longer. 2 was chosen on the tuning half of the workload suite (docs/benchmarks.md).
     exploration_backoff: float = 2.0
-    # Where the drafter knows its drafts' probabilities before the target looks (dflash), a round
-    # verifies a draft only while their running product stays at least this: 0 verifies all k.
-    # 0.1 was chosen on the tuning half of code-greedy (docs/benchmarks.md).
+    # How sure the drafter must be of a draft for it to be verified (0: all k): a DFlash block's
+    # running product of its positions' probabilities, an EAGLE-3 greedy chain's each draft.
+    # 0.1 was chosen on the tuning half of code-greedy for each (docs/benchmarks.md).
     draft_confidence: float = 0.1
 
     def __post_init__(self) -> None:
