@@ -2,9 +2,11 @@
 
 One anyio task group holds everything that runs: the admin socket server, the HTTP API, the
 config watcher, signal handling, and the watchdog/status reporter. The engine runs on its own
-thread (a thread cannot be cancelled, so it is stopped with a message and joined). READY=1 is
-sent only once every runtime state is built and every listener is bound. On SIGTERM the HTTP API
-answers new requests with 503 while in-flight ones finish, then stops listening.
+thread (a thread cannot be cancelled, so it is stopped with a message and joined). Both listeners
+bind first, so that a socket or port in use stops the start before the models load; until they
+have, the HTTP API answers 503 `starting`. READY=1 is sent only once every runtime state is built.
+On SIGTERM the HTTP API answers new requests with 503 while in-flight ones finish, then stops
+listening.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from control.config import ConfigSnapshot
 from daemon.auth import api_key
 from daemon.chat import ChatTemplate, ChatTemplateError
 from daemon.commands import AdminCommands
-from daemon.http import HttpBindError, HttpServer, OpenAIApi
+from daemon.http import Front, HttpBindError, HttpServer, OpenAIApi
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.reload import Reloader
@@ -93,6 +95,15 @@ class Daemon:
             except AdminSocketError as err:  # in use by another daemon, a path too long, ...
                 log.error("cannot start", error=str(err))
                 return 1
+            server = self.snapshot.server
+            front = Front()
+            http = HttpServer(front, server.host, server.port)
+            try:
+                commands.http = await tg.start(http.serve)
+            except HttpBindError as err:  # the port is taken, the address is not this host's, ...
+                log.error("cannot start", error=str(err))
+                tg.cancel_scope.cancel()
+                return 1
             built: Future[EngineLoop] = Future()
             build = partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch)
             work = (built, build, self.snapshot, startup.phase)
@@ -100,7 +111,7 @@ class Daemon:
             self.thread.start()
             try:
                 loop = await anyio.to_thread.run_sync(built.result)
-            except Exception:  # logged with its phase; the admin socket goes with the task group
+            except Exception:  # logged with its phase; the listeners go with the task group
                 tg.cancel_scope.cancel()
                 return 1
             self.loop = loop
@@ -108,16 +119,8 @@ class Daemon:
             reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
             metrics.watch(loop, reloader)
             api = self._api(loop, metrics, key, template)
-            server = self.snapshot.server
-            http = HttpServer(api.app, server.host, server.port)
+            front.attach(api.app)
             tg.start_soon(self._handle_signals, reloader, tg.cancel_scope)
-            try:
-                commands.http = await tg.start(http.serve)
-            except HttpBindError as err:  # the port is taken, the address is not this host's, ...
-                log.error("cannot start", error=str(err))
-                await self._stop_engine()  # before the cancel: its join must not be cancelled
-                tg.cancel_scope.cancel()
-                return 1
             commands.serve(loop, reloader)
             tg.start_soon(self._watch_config, reloader)
             tg.start_soon(self._report, reloader)

@@ -67,7 +67,8 @@ class AdminCommands:
 
     async def status(self, args: dict[str, Any]) -> dict[str, Any]:
         if self.loop is None or self.reloader is None:
-            return {**self.startup.status(), "uptime_s": round(time.time() - self.started, 3)}
+            starting = {**self.startup.status(), "uptime_s": round(time.time() - self.started, 3)}
+            return starting | ({"http": self.http} if self.http else {})
         engine = self.loop.status  # published by the engine thread: never its live fields
         snapshot = self.reloader.snapshot
         last = self.reloader.last

@@ -8,7 +8,8 @@ boundary, streaming or not.
 
 Admission: at most engine.max_batch_size + server.max_queue requests are in flight (running or
 queued in the engine); beyond that, and while the daemon drains, new requests get 503 with
-Retry-After, in OpenAI's error format like every other error here.
+Retry-After, in OpenAI's error format like every other error here. The port listens from the
+start (`Front`): while the models load, every request gets 503 `starting` the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from daemon.auth import ApiKeyMiddleware
@@ -118,6 +119,29 @@ class Submission:
             "proposed_drafts": self.proposed,
             "k": self.loop.status.k,
         }
+
+
+class Front:
+    """What the HTTP port serves: while the models load, 503 to every request (`starting`; /health
+    as {"status": "starting"}), then the API once `attach` hands it over. Listening from the start
+    lets probes tell a daemon that is loading from one that is gone, and a taken port stop the
+    start before the models load."""
+
+    def __init__(self) -> None:
+        self.app: ASGIApp | None = None
+
+    def attach(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        err = _unavailable("the server is starting: its models are loading; retry later", "starting")
+        body = {"status": "starting"} if scope["path"] == "/health" else err.body()
+        await JSONResponse(body, status_code=err.status, headers=err.headers)(scope, receive, send)
 
 
 class OpenAIApi:

@@ -399,6 +399,9 @@ def test_start_up_logs_every_phase_with_its_duration_and_no_warning(daemon):
     built = [name for name in names if "runtime state" in name]
     assert [name.rsplit("k=", 1)[1] for name in built] == ["1", "3", "7"]  # one phase each, in order
     assert all(event["seconds"] >= 0 for event in phases) and daemon.events("started")
+    # Both listeners bound before the models load: a port in use stops the start at once.
+    order = [e["event"] for e in daemon.events() if e["event"] in ("http listening", "startup phase")]
+    assert order[0] == "http listening" and order.count("http listening") == 1
     extended = [m for m in daemon.notifications() if "EXTEND_TIMEOUT_USEC=" in m]
     assert len(extended) >= len(phases)  # systemd was told to wait, phase by phase
     text = daemon.log.read_text()
@@ -503,6 +506,7 @@ def test_a_second_daemon_on_the_same_socket_or_a_taken_port_says_why_in_a_line(d
             failed = [json.loads(line) for line in done.stderr.splitlines() if '"cannot start"' in line]
             assert done.returncode == 1 and "Traceback" not in done.stderr
             assert len(failed) == 1 and named in failed[0]["error"]
+            assert '"startup phase"' not in done.stderr, "refused before any model loads"
     finally:
         held.close()
     assert daemon.status()["state"] == "serving"  # the first daemon and its socket untouched

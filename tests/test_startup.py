@@ -1,11 +1,19 @@
-"""While the daemon starts, the admin socket answers: `status` names the phase in progress."""
+"""While the daemon starts, the admin socket answers (`status` names the phase in progress) and the
+HTTP port answers 503 `starting`."""
 
 from __future__ import annotations
 
+import anyio
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
 from control.admin import AdminError, Peer
 from daemon.commands import AdminCommands
+from daemon.http import Front, HttpServer
 from daemon.notify import Notifier
 from daemon.startup import Startup
 
@@ -28,8 +36,38 @@ async def test_status_names_the_phase_and_other_commands_wait_for_ready() -> Non
             await commands("pin", {"steps": 3}, PEER)
         assert caught.value.code == "starting" and "load target" in caught.value.message
         assert "pin" in (await commands("help", {}, PEER))["commands"]
+        assert "http" not in status  # not bound yet
+        commands.http = "127.0.0.1:8000"
+        assert (await commands("status", {}, PEER))["http"] == "127.0.0.1:8000"  # where to probe meanwhile
     status = await commands("status", {}, PEER)
     assert status["phase"] is None and [p["phase"] for p in status["phases_done"]] == ["load target /models/target"]
     with pytest.raises(RuntimeError), startup.phase("build runtime state k=3"):
         raise RuntimeError("out of memory")
     assert [p["phase"] for p in (await commands("status", {}, PEER))["phases_done"]] == ["load target /models/target"]
+
+
+@pytest.mark.anyio
+async def test_the_http_port_answers_starting_until_the_api_is_attached() -> None:
+    """The port listens from the start: every route answers 503 `starting` (with Retry-After, in
+    OpenAI's error format; /health as its status) until the API is handed over, then the API does."""
+    front = Front()
+    server = HttpServer(front, "127.0.0.1", 0)
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(server.serve)
+        async with httpx.AsyncClient(base_url=f"http://{address}") as client:
+            health = await client.get("/health")
+            assert health.status_code == 503 and health.json() == {"status": "starting"}
+            generate = await client.post("/v1/completions", json={"prompt": "def", "max_tokens": 4})
+            assert generate.status_code == 503 and generate.headers["retry-after"] == "1"
+            error = generate.json()["error"]
+            assert error["code"] == "starting" and "loading" in error["message"]
+            assert (await client.get("/metrics")).status_code == 503
+
+            async def ok(request: Request) -> Response:
+                return PlainTextResponse("served")
+
+            front.attach(Starlette(routes=[Route("/health", ok)]))
+            served = await client.get("/health")
+            assert served.status_code == 200 and served.text == "served"
+        await server.close()
+        tg.cancel_scope.cancel()
