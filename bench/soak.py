@@ -289,9 +289,11 @@ def start(folder: Path, max_batch_size: int, max_queue: int) -> tuple[subprocess
         if process.poll() is not None:
             raise SystemExit(f"the daemon exited with {process.returncode}; see {folder / 'daemon.log'}")
         try:
-            http_address = request(sock, "status", timeout=2)["result"].get("http")
+            status = request(sock, "status", timeout=2)["result"]
         except Unreachable:
-            http_address = None
+            status = {}
+        # The port listens while the models load (503 starting): serving is what the soak waits for.
+        http_address = status.get("http") if status.get("state") == "serving" else None
         if http_address:
             host, port = http_address.rsplit(":", 1)
             return process, config, sock, (host, int(port))
