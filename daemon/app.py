@@ -112,6 +112,7 @@ class Daemon:
             try:
                 loop = await anyio.to_thread.run_sync(built.result)
             except Exception:  # logged with its phase; the listeners go with the task group
+                await http.close()  # a probe answered 503 meanwhile gets its response whole
                 tg.cancel_scope.cancel()
                 return 1
             self.loop = loop

@@ -516,7 +516,8 @@ class Eagle3Drafter:
                 self.native_sampled_chains(seqs, ks, drawn, proposals)
                 active = [i for i in active if i not in drawn]
         if active:
-            self.chains(seqs, ks, active, proposals, floor)
+            # Where chains replay from captured graphs, none stops: one a step at a time would not either.
+            self.chains(seqs, ks, active, proposals, floor if self.graphs is None else 0.0)
         return proposals
 
     def native_round(

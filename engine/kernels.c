@@ -853,6 +853,7 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
             memcpy(in + (int64_t)n * hidden, features + (int64_t)r * hidden, sizeof(float) * (size_t)hidden);
             n++;
         }
+        if (n == 0) break; /* every row has stopped: a row never steps again once it has not */
         failed = adaspec_eagle3_step(m, hidden_norm, norm_before_residual, NULL, cache, n, ids, in, slots, positions,
                                      n, selected, out, logits, threads);
         for (int s = 0; s < n && !failed; s++) {
