@@ -6,7 +6,7 @@ thread (a thread cannot be cancelled, so it is stopped with a message and joined
 bind first, so that a socket or port in use stops the start before the models load; until they
 have, the HTTP API answers 503 `starting`. READY=1 is sent only once every runtime state is built.
 On SIGTERM the HTTP API answers new requests with 503 while in-flight ones finish, then stops
-listening.
+listening; a SIGTERM while the models load stops the start there, listeners closed.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ log = structlog.get_logger("adaspec.daemon")
 
 START_TIMEOUT_EXTENSION_S = 120.0
 STATUS_INTERVAL_S = 2.0
+# How often the event loop looks whether the engine thread has loaded the models: no thread of
+# its own waits, so that a stop signal meanwhile can end the process at once.
+STARTING_POLL_S = 0.05
 PR_SET_NAME = 15  # prctl(2): set the calling thread's name
 # Past the drain deadline, how long the requests the engine ended have to tell their clients so.
 CUT_OFF_GRACE_S = 2.0
@@ -57,6 +60,8 @@ class Daemon:
         self.stopping = anyio.Event()
         self.loop: EngineLoop | None = None
         self.thread: threading.Thread | None = None
+        self.reloader: Reloader | None = None  # once the engine is built: what SIGHUP reloads through
+        self.starting: anyio.CancelScope | None = None  # the wait for the engine, cancelled by a stop signal
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; the exit status of the process."""
@@ -104,24 +109,34 @@ class Daemon:
                 log.error("cannot start", error=str(err))
                 tg.cancel_scope.cancel()
                 return 1
+            tg.start_soon(self._handle_signals)
             built: Future[EngineLoop] = Future()
             build = partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch)
             work = (built, build, self.snapshot, startup.phase)
             self.thread = threading.Thread(target=_engine_thread, args=work, name="adaspec-engine", daemon=True)
             self.thread.start()
+            self.starting = anyio.CancelScope()
             try:
-                loop = await anyio.to_thread.run_sync(built.result)
+                with self.starting:
+                    # Given up on a stop signal: a load cannot be interrupted, and exiting ends it.
+                    while not built.done():
+                        await anyio.sleep(STARTING_POLL_S)
+                    self.loop = built.result()
             except Exception:  # logged with its phase; the listeners go with the task group
+                self.loop = None
+            if self.loop is None:
                 await http.close()  # a probe answered 503 meanwhile gets its response whole
                 tg.cancel_scope.cancel()
-                return 1
-            self.loop = loop
+                if not self.starting.cancel_called:
+                    return 1
+                log.info("stopped", before_ready=True)  # the engine thread, still loading, ends with the process
+                return 0
+            loop = self.loop
             log.info("started", seconds=round(time.monotonic() - startup.started, 3))
-            reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
+            reloader = self.reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
             metrics.watch(loop, reloader)
             api = self._api(loop, metrics, key, template)
             front.attach(api.app)
-            tg.start_soon(self._handle_signals, reloader, tg.cancel_scope)
             commands.serve(loop, reloader)
             tg.start_soon(self._watch_config, reloader)
             tg.start_soon(self._report, reloader)
@@ -147,18 +162,26 @@ class Daemon:
             metrics_need_key=server.metrics_need_key,
         )
 
-    async def _handle_signals(self, reloader: Reloader, scope: anyio.CancelScope) -> None:
+    async def _handle_signals(self) -> None:
+        """From the start: SIGHUP reloads (once there is an engine to reload); SIGTERM and SIGINT
+        stop, while starting by abandoning the load."""
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
+                name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
-                    await reloader.reload("sighup")
+                    if self.reloader is None:
+                        log.info("reload ignored: the daemon is still starting", signal=name)
+                    else:
+                        await self.reloader.reload("sighup")
                     continue
                 if self.stopping.is_set():
-                    log.warning("second stop signal: exiting at once", signal=signal.Signals(signum).name)
+                    log.warning("second stop signal: exiting at once", signal=name)
                     os._exit(1)
-                log.info("stopping", signal=signal.Signals(signum).name)
+                log.info("stopping", signal=name, before_ready=self.loop is None)
                 self.notifier.stopping()
                 self.stopping.set()
+                if self.loop is None and self.starting is not None:
+                    self.starting.cancel()
 
     async def _drain(self) -> None:
         """Admit nothing new; let in-flight requests finish, up to the configured deadline. Past

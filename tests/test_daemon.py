@@ -512,6 +512,42 @@ def test_a_second_daemon_on_the_same_socket_or_a_taken_port_says_why_in_a_line(d
     assert daemon.status()["state"] == "serving"  # the first daemon and its socket untouched
 
 
+def test_sigterm_while_the_models_load_stops_at_once_and_leaves_nothing_behind():
+    """A stop during start-up (systemctl stop while a large model loads) need not wait for the
+    load: the daemon logs it, closes both listeners and exits 0 at once; a SIGHUP then has no
+    config to reload into and says so."""
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    sock = folder / "admin.sock"
+    # Timing rounds up to batch 16 keeps it loading for seconds after the port is bound.
+    config = folder / "config.toml"
+    sections = {"server": "", "engine": "", "shutdown": "", "max_batch_size": 16}
+    config.write_text(CONFIG.format(target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, socket=sock, **sections))
+    log = folder / "daemon.log"
+    command = [sys.executable, "-m", "daemon.cli", "--config", str(config)]
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while '"http listening"' not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGHUP)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert process.wait(30) == 0, log.read_text()[-2000:]
+        assert time.monotonic() - sent < 5, "it did not wait for the load"
+    finally:
+        if process.poll() is None:
+            process.kill()
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    named = {e["event"]: e for e in events}
+    assert "reload ignored: the daemon is still starting" in named
+    assert named["stopping"]["before_ready"] is True and named["stopped"]["before_ready"] is True
+    assert "ready" not in named and "Traceback" not in log.read_text()
+    assert not sock.exists()  # the admin socket is removed, as on any stop
+
+
 def test_sigterm_drains_and_exits_zero():
     folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
     daemon = start_daemon(folder)
