@@ -3,8 +3,8 @@
 One anyio task group holds everything that runs: the admin socket server, the HTTP API, the
 config watcher, signal handling, and the watchdog/status reporter. The engine runs on its own
 thread (a thread cannot be cancelled, so it is stopped with a message and joined). Both listeners
-bind first, so that a socket or port in use stops the start before the models load; until they
-have, the HTTP API answers 503 `starting`. READY=1 is sent only once every runtime state is built.
+bind first, so that a socket or port in use stops the start before the models load; until the
+models are loaded, the HTTP API answers 503 `starting`. READY=1 is sent only once every runtime state is built.
 On SIGTERM the HTTP API answers new requests with 503 while in-flight ones finish, then stops
 listening; a SIGTERM while the models load stops the start there, listeners closed.
 """
