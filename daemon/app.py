@@ -12,6 +12,8 @@ listening; a SIGTERM while the models load stops the start there, listeners clos
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import logging
 import os
 import signal
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import anyio
 import structlog
+from anyio.abc import TaskGroup, TaskStatus
 
 from control.admin import AdminSocketError, serve_admin
 from control.config import ConfigSnapshot
@@ -62,6 +65,7 @@ class Daemon:
         self.thread: threading.Thread | None = None
         self.reloader: Reloader | None = None  # once the engine is built: what SIGHUP reloads through
         self.starting: anyio.CancelScope | None = None  # the wait for the engine, cancelled by a stop signal
+        self.reload_owed = False  # a SIGHUP came while starting: reload once serving
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; the exit status of the process."""
@@ -83,7 +87,10 @@ class Daemon:
         startup = Startup(self.notifier)
         commands = AdminCommands(startup, self.started)
         admin = self.snapshot.admin
+        self.starting = anyio.CancelScope()
         async with anyio.create_task_group() as tg:
+            # Signals first: a stop from here on closes whatever is bound and removes the socket.
+            await tg.start(self._handle_signals)
             # The admin socket answers from the start: `adaspecctl status` names the phase.
             try:
                 await tg.start(
@@ -99,6 +106,7 @@ class Daemon:
                 )
             except AdminSocketError as err:  # in use by another daemon, a path too long, ...
                 log.error("cannot start", error=str(err))
+                tg.cancel_scope.cancel()
                 return 1
             server = self.snapshot.server
             front = Front()
@@ -109,15 +117,13 @@ class Daemon:
                 log.error("cannot start", error=str(err))
                 tg.cancel_scope.cancel()
                 return 1
-            tg.start_soon(self._handle_signals)
             built: Future[EngineLoop] = Future()
             build = partial(build_engine, on_step=metrics.observe_step, on_switch=metrics.observe_switch)
             work = (built, build, self.snapshot, startup.phase)
             self.thread = threading.Thread(target=_engine_thread, args=work, name="adaspec-engine", daemon=True)
             self.thread.start()
-            self.starting = anyio.CancelScope()
             try:
-                with self.starting:
+                with self.starting:  # cancelled on entry where a stop signal came while binding
                     # Given up on a stop signal: a load cannot be interrupted, and exiting ends it.
                     while not built.done():
                         await anyio.sleep(STARTING_POLL_S)
@@ -129,25 +135,56 @@ class Daemon:
                 tg.cancel_scope.cancel()
                 if not self.starting.cancel_called:
                     return 1
-                log.info("stopped", before_ready=True)  # the engine thread, still loading, ends with the process
-                return 0
-            loop = self.loop
-            log.info("started", seconds=round(time.monotonic() - startup.started, 3))
-            reloader = self.reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
-            metrics.watch(loop, reloader)
-            api = self._api(loop, metrics, key, template)
-            front.attach(api.app)
-            commands.serve(loop, reloader)
-            tg.start_soon(self._watch_config, reloader)
-            tg.start_soon(self._report, reloader)
-            self.notifier.ready()
-            api.ready = True
-            log.info("ready", admin_socket=str(admin.socket), http=commands.http, k=loop.status.k)
-            await self.stopping.wait()
-            await self._drain()
-            await http.close()
-            tg.cancel_scope.cancel()
+            else:
+                await self._serve(self.loop, startup, commands, metrics, front, tg, key, template)
+                await http.close()
+                tg.cancel_scope.cancel()
+        if self.loop is None:  # stopped while the models loaded
+            log.info("stopped", before_ready=True)
+            # The engine thread is still loading: the interpreter's shutdown would meet it inside
+            # torch, which then aborts the process; so the process ends here, its logs written.
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(0)
         return await self._stop_engine()
+
+    async def _serve(
+        self,
+        loop: EngineLoop,
+        startup: Startup,
+        commands: AdminCommands,
+        metrics: Metrics,
+        front: Front,
+        tg: TaskGroup,
+        key: str | None,
+        template: ChatTemplate,
+    ) -> None:
+        """The engine is built: hand the port the API, reload what changed while it loaded, watch
+        the config, tell systemd READY=1; then serve until a stop signal, and drain."""
+        log.info("started", seconds=round(time.monotonic() - startup.started, 3))
+        reloader = self.reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
+        metrics.watch(loop, reloader)
+        api = self._api(loop, metrics, key, template)
+        front.attach(api.app)
+        commands.serve(loop, reloader)
+        tg.start_soon(self._watch_config, reloader)
+        tg.start_soon(self._report, reloader)
+        self.notifier.ready()
+        api.ready = True
+        log.info("ready", admin_socket=str(self.snapshot.admin.socket), http=commands.http, k=loop.status.k)
+        await self._catch_up(reloader)
+        await self.stopping.wait()
+        await self._drain()
+
+    async def _catch_up(self, reloader: Reloader) -> None:
+        """Reload what the watcher, started only now, could not see: an edit made while the models
+        loaded, or a SIGHUP then."""
+        try:
+            edited = hashlib.sha256(self.config_path.read_bytes()).hexdigest() != self.snapshot.sha256
+        except OSError:  # gone meanwhile: the reload says so, and status shows it
+            edited = True
+        if edited or self.reload_owed:
+            await reloader.reload("sighup" if self.reload_owed else "watch")
 
     def _api(self, loop: EngineLoop, metrics: Metrics, key: str | None, template: ChatTemplate) -> OpenAIApi:
         target, server = self.snapshot.engine.target, self.snapshot.server
@@ -162,15 +199,17 @@ class Daemon:
             metrics_need_key=server.metrics_need_key,
         )
 
-    async def _handle_signals(self) -> None:
-        """From the start: SIGHUP reloads (once there is an engine to reload); SIGTERM and SIGINT
-        stop, while starting by abandoning the load."""
+    async def _handle_signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """From the start: SIGHUP reloads (one while starting waits for the engine); SIGTERM and
+        SIGINT stop, while starting by abandoning the load."""
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            task_status.started()
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
                     if self.reloader is None:
-                        log.info("reload ignored: the daemon is still starting", signal=name)
+                        log.info("reload deferred: the daemon is still starting", signal=name)
+                        self.reload_owed = True
                     else:
                         await self.reloader.reload("sighup")
                     continue

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 import anyio
 import structlog
@@ -44,9 +46,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(snapshot.logging.level, snapshot.logging.format)
     for warning in snapshot.warnings:
         structlog.get_logger("adaspec.config").warning("config warning", warning=warning, config=str(path))
+    # Until the daemon's own handlers take over, once its event loop runs: nothing is bound yet,
+    # so a stop just ends the process, and a SIGHUP is caught up with once serving (the file's hash).
+    signal.signal(signal.SIGTERM, _stop_before_start)
+    signal.signal(signal.SIGINT, _stop_before_start)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from daemon.app import Daemon  # imports torch: keep --check-config fast
 
     return anyio.run(Daemon(path, snapshot).run)
+
+
+def _stop_before_start(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

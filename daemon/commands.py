@@ -56,7 +56,7 @@ class AdminCommands:
     async def __call__(self, cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
         command = self._commands.get(cmd)
         if self.loop is None and command is not None and cmd not in ("status", "help"):
-            phase = self.startup.status()["phase"]
+            phase = self.startup.status()["phase"] or "between phases"
             raise AdminError("starting", f"the daemon is starting (phase: {phase}); {cmd} works once it is ready")
         if command is None:
             known = ", ".join(self._commands)

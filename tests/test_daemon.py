@@ -514,8 +514,8 @@ def test_a_second_daemon_on_the_same_socket_or_a_taken_port_says_why_in_a_line(d
 
 def test_sigterm_while_the_models_load_stops_at_once_and_leaves_nothing_behind():
     """A stop during start-up (systemctl stop while a large model loads) need not wait for the
-    load: the daemon logs it, closes both listeners and exits 0 at once; a SIGHUP then has no
-    config to reload into and says so."""
+    load: the daemon logs it, closes both listeners and exits 0 at once (a SIGHUP before it is
+    put off until serving, which never comes)."""
     folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
     sock = folder / "admin.sock"
     # Timing rounds up to batch 16 keeps it loading for seconds after the port is bound.
@@ -542,10 +542,39 @@ def test_sigterm_while_the_models_load_stops_at_once_and_leaves_nothing_behind()
             process.kill()
     events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     named = {e["event"]: e for e in events}
-    assert "reload ignored: the daemon is still starting" in named
+    assert "reload deferred: the daemon is still starting" in named
     assert named["stopping"]["before_ready"] is True and named["stopped"]["before_ready"] is True
     assert "ready" not in named and "Traceback" not in log.read_text()
     assert not sock.exists()  # the admin socket is removed, as on any stop
+
+
+def test_an_edit_and_a_sighup_while_the_models_load_apply_once_serving():
+    """The watcher starts with serving: an edit made while the models load (and the SIGHUP sent
+    for it) is reloaded as soon as the daemon is ready, not lost."""
+    folder = Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp"))
+    daemon = None
+    try:
+        config = folder / "config.toml"
+        log = folder / "daemon.log"
+        sections = {"server": "", "engine": "", "shutdown": "", "max_batch_size": 16}
+        sock = folder / "admin.sock"
+        config.write_text(CONFIG.format(target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, socket=sock, **sections))
+        command = [sys.executable, "-m", "daemon.cli", "--config", str(config)]
+        with log.open("w") as stderr:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        daemon = Daemon(process, folder, config, sock, log, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), [])
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while '"http listening"' not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.02)
+        rewrite(config, "ema_alpha = 0.2", "ema_alpha = 0.35")
+        process.send_signal(signal.SIGHUP)
+        daemon.wait_for(lambda: daemon.status().get("generation") == 2, START_TIMEOUT_S, "the catch-up reload")
+        assert '"ready"' in log.read_text() and daemon.status()["last_reload"]["ok"]
+        assert daemon.ctl("config")[1]["values"]["adaptive.ema_alpha"]["value"] == 0.35
+    finally:
+        if daemon is not None:
+            stop_daemon(daemon)
 
 
 def test_sigterm_drains_and_exits_zero():
