@@ -192,6 +192,19 @@ class Extend(NamedTuple):
     selected: list[int]
 
 
+def top_probability(logits: Tensor) -> Tensor:
+    """Each row's largest probability: a greedy draft's own under the head, what a chain stops by
+    (the kernels' `top_probability`)."""
+    return logits.float().softmax(dim=-1).amax(dim=-1)
+
+
+def place_chains(proposals: list[Proposal], rows: list[int], steps: Seq[int], drafts: Seq[list[int]]) -> None:
+    """Each row's compiled chain as its proposal: the drafts, and as trimmed those short of the
+    steps + 1 it was asked for (a chain stops only at a draft the head is unsure of)."""
+    for i, n, tokens in zip(rows, steps, drafts):
+        proposals[i].tokens, proposals[i].trimmed = tokens, n + 1 - len(tokens)
+
+
 class Eagle3Drafter:
     """The drafter protocol (engine/drafters.py) over an EAGLE-3 head and its own cache. Beside a
     target on the compiled CPU kernels the head runs on them too (`native.NativeEagle3`), its
@@ -545,8 +558,7 @@ class Eagle3Drafter:
             self.next_logits,
             floor,
         )
-        for i, n, tokens in zip(rows, steps, drafts):
-            proposals[i].tokens, proposals[i].trimmed = tokens, n + 1 - len(tokens)
+        place_chains(proposals, rows, steps, drafts)
 
     def chain_steps(self, ks: Seq[int], rows: list[int], starts: list[int]) -> list[int]:
         """Steps after the first draft of each row's compiled chain, as the step-by-step chain
@@ -564,13 +576,12 @@ class Eagle3Drafter:
         steps = self.chain_steps(ks, rows, starts)
         logits = self.next_logits[slots]
         first = self.draft_ids[logits.argmax(dim=-1)].tolist()
-        sure = (logits.float().softmax(dim=-1).amax(dim=-1) >= floor).tolist() if floor > 0 else None
+        sure = (top_probability(logits) >= floor).tolist() if floor > 0 else None
         features = self.next_feature[slots]
         drafts = self.native.chain(
             self.cache, slots, starts, steps, first, features, self.draft_ids, stop_below=floor, first_kept=sure
         )
-        for i, n, tokens in zip(rows, steps, drafts):
-            proposals[i].tokens, proposals[i].trimmed = tokens, n + 1 - len(tokens)
+        place_chains(proposals, rows, steps, drafts)
 
     def native_sampled_chains(
         self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]
@@ -631,7 +642,7 @@ class Eagle3Drafter:
         while True:
             tokens = self.draft_ids[logits.argmax(dim=-1)].tolist()
             if floor > 0:
-                top = logits.float().softmax(dim=-1).amax(dim=-1).tolist()
+                top = top_probability(logits).tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if not seq.params.greedy:
