@@ -16,15 +16,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.prompts import code_prompts
 from bench.spec import ROOT
 from control.arguments import at_least
+from control.assemble import build_drafter, load_models
 from control.config import load_config
-from daemon.runtime import build_drafter, load_models
 from engine.core import Engine
 from engine.generate import generate
 from engine.request import Request
 from engine.sampling import SamplingParams
+from tools.corpus import code_prompts
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     except ValueError as err:  # a k the drafter cannot draft (a DFlash block's size - 1 at most)
         parser.error(f"--k {args.k}: {err}")
     engine.run_until_done(Request(tuple(p), params) for p in prompts)
-    stats = engine.state.stats
+    stats = engine.states[args.k].stats
     verified_rounds = stats.proposed_at[0] if stats.proposed_at else 0
     print(f"{len(prompts)} held-out prompts, {args.drafter}, greedy, k={args.k}, up to {args.max_tokens} tokens each")
     print(f"mean accepted drafts per round: {stats.drafts_accepted / max(verified_rounds, 1):.3f}")

@@ -20,30 +20,23 @@ from functools import partial
 
 from torch import Tensor
 
-from bench.spec import (
-    WorkItem,
-    bench_snapshot,
-    build_controller,
-    drafters_of,
-    mode_snapshot,
-    print_table,
-    read_workload,
-    run_controllers,
-    warm_up,
-    write_reports,
-)
+from bench.report import print_table, write_reports
+from bench.side_by_side import run_controllers
+from bench.spec import bench_snapshot, build_controller, drafters_of, mode_snapshot, warm_up
 from bench.spec import make_parser as spec_parser
+from bench.workload import WorkItem, read_workload
 from control.arguments import integers
+from control.assemble import Models, load_models
 from control.config import ConfigSnapshot
-from daemon.runtime import Models, load_models
+from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.controller import Controller
 from engine.core import Engine
-from engine.drafters import Proposal
+from engine.drafters.base import Drafter, Proposal
 from engine.generate import generate
 from engine.request import Sequence
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the target's own greedy output, known in advance: a bench's ceiling, never a
     drafter to serve with (it has to have decoded the request already)."""
 
@@ -56,7 +49,7 @@ class OracleDrafter:
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         pass
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], rule: ConfidenceRule = EVERY_DRAFT) -> list[Proposal]:
         proposals = []
         for seq, k in zip(seqs, ks):
             done = len(seq.output)

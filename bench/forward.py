@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
-from engine import native
 from engine.checkpoint import load_checkpoint
-from engine.dflash import DFlashDrafter, load_dflash
-from engine.eagle3 import Eagle3Drafter, load_eagle3
-from engine.model import ForwardBatch, Transformer
+from engine.drafters.dflash import DFlashDrafter
+from engine.drafters.eagle3 import Eagle3Drafter
+from engine.model.dflash import load_dflash
+from engine.model.eagle3 import load_eagle3
+from engine.model.transformer import ForwardBatch, Transformer
+from engine.native.build import problem
 from engine.request import Request, Sequence
 
 # name, rows, new tokens a row, cached tokens a row, timed forwards
@@ -160,7 +162,7 @@ def main() -> None:
         "compiled bf16": load_checkpoint(args.model, dtype="bfloat16").model,
     }
     if forwards["compiled"].native is None:
-        raise SystemExit(f"no compiled forward here: {native.problem()}")
+        raise SystemExit(f"no compiled forward here: {problem()}")
     print(f"{args.model}, {torch.get_num_threads()} threads, median ms of {args.repeats} interleaved repeats")
     print(f"{'forward':<28} " + " ".join(f"{name:>14}" for name in forwards) + f" {'speed-ups':>14}")
     for name, rows, width, start, count in SHAPES:

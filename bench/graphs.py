@@ -18,15 +18,18 @@ from functools import partial
 
 import torch
 
-from bench.prompts import code_prompts
 from control.arguments import integers
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.dflash import DFlashDrafter, load_dflash
-from engine.drafters import Drafter, DraftModelDrafter
-from engine.eagle3 import Eagle3Drafter, load_eagle3
+from engine.drafters.base import Drafter
+from engine.drafters.dflash import DFlashDrafter
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.drafters.eagle3 import Eagle3Drafter
+from engine.model.dflash import load_dflash
+from engine.model.eagle3 import load_eagle3
 from engine.request import Request
 from engine.sampling import SamplingParams
+from tools.corpus import code_prompts
 
 MAX_SEQ_LEN = 2048
 
@@ -34,7 +37,7 @@ MAX_SEQ_LEN = 2048
 def round_seconds(engine: Engine, requests: list[Request]) -> float:
     """Mean seconds per round over `requests`, served one at a time after a warm-up request."""
     engine.run_until_done(requests[:1])
-    stats = engine.state.stats
+    stats = engine.states[max(engine.states)].stats
     rounds, seconds = stats.rounds, stats.draft_seconds + stats.verify_seconds
     for request in requests:
         engine.run_until_done([Request(request.prompt, request.params)])

@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 
-from bench.spec import ModeReport, WorkItem, per_phase_oracle, phase_rate, read_workload
+from bench.report import ModeReport, per_phase_oracle, phase_rate
+from bench.workload import WorkItem, read_workload
 from control.arguments import at_least
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter, int8_linears
+from engine.drafters.draft_model import DraftModelDrafter, int8_linears
 from engine.generate import generate
-from engine.model import Transformer
+from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.sampling import target_probs
 
@@ -83,7 +84,7 @@ def round_seconds(target: Checkpoint, draft: Checkpoint, item: WorkItem, max_k: 
         engine.add_request(Request(prompt, params))
         rounds = []
         while engine.has_work:
-            step = engine.step()
+            step = engine.step(k)
             if step.batch_size:
                 rounds.append(step.draft_seconds + step.verify_seconds)
         seconds.append(statistics.median(rounds[1:] or rounds))  # the first round follows the prefill

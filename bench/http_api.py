@@ -6,7 +6,7 @@
 One daemon per configuration, started on a free port and stopped after its runs: first the
 shipped config.toml's [adaptive] section, then [adaptive] enabled = false with
 static_k = K for each K. Each serves the same workload at every concurrency through
-`bench.spec.run_url` (closed loop: N clients, the next request sent as one finishes).
+`bench.over_http.run_url` (closed loop: N clients, the next request sent as one finishes).
 engine.max_batch_size is 16 by default so that 16 clients decode together.
 
 With --in-process, after each daemon has stopped, the same config's engine serves the same
@@ -35,7 +35,10 @@ from typing import Any
 
 import tomllib
 
-from bench.spec import ROOT, ModeReport, WorkItem, bench_snapshot, read_workload, run_url
+from bench.over_http import run_url
+from bench.report import ModeReport
+from bench.spec import ROOT, bench_snapshot
+from bench.workload import WorkItem, read_workload
 from control.arguments import integers
 from control.config import ConfigSnapshot
 
@@ -122,8 +125,9 @@ def measure_in_process(
 ) -> list[ModeReport]:
     """The daemon's config served in this process as the daemon served it: one engine, the
     warm-up first, then each concurrency in turn; each report counts the engine's own rounds."""
-    from bench.spec import build_controller, run_mode
-    from daemon.runtime import load_models
+    from bench.side_by_side import run_mode
+    from bench.spec import build_controller
+    from control.assemble import load_models
 
     if snapshot.engine not in _MODELS:  # every daemon here has the same [engine]: loaded once
         _MODELS[snapshot.engine] = load_models(snapshot)

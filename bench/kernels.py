@@ -1,6 +1,6 @@
 """The checkout's compiled CPU kernels against another kernels.c, taking turns in one process.
 
-    git show HEAD~1:engine/kernels.c > /tmp/before.c
+    git show HEAD~1:engine/native/kernels.c > /tmp/before.c
     python -m bench.kernels /tmp/before.c [--model models/target] [--dtype bfloat16] [--repeats 7]
 
 Two copies of the model, one forward through each build, on `bench.forward`'s shapes, shape by
@@ -13,20 +13,22 @@ should keep.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 from pathlib import Path
 
 import torch
 
 from bench.forward import SHAPES, time_forward
-from engine import native
 from engine.checkpoint import load_checkpoint
-from engine.model import Transformer
+from engine.model.transformer import Transformer
+from engine.native.build import _build, _load, library, problem
+from engine.native.forward import NativeForward
 
 
-def build(source: Path) -> native.ctypes.CDLL:
+def build(source: Path) -> ctypes.CDLL:
     """The kernels compiled from `source` (cached by its text, as the checkout's are)."""
-    return native._load(native._build(source))
+    return _load(_build(source))
 
 
 @torch.inference_mode()
@@ -49,11 +51,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    if native.library() is None:
-        raise SystemExit(f"no compiled forward here: {native.problem()}")
+    if library() is None:
+        raise SystemExit(f"no compiled forward here: {problem()}")
     checkout = load_checkpoint(args.model, dtype=args.dtype).model
     other = load_checkpoint(args.model, dtype=args.dtype).model
-    other.native = native.NativeForward(other, build(args.other))
+    other.native = NativeForward(other, build(args.other))
     print(f"{args.model} ({args.dtype}), {torch.get_num_threads()} threads, median ms of {args.repeats} repeats")
     print(f"same logits bit for bit: {same_logits(checkout, other)}")
     print(f"{'forward':<28} {args.other.name:>14} {'checkout':>14} {'speed-up':>10}")

@@ -18,13 +18,13 @@ from contextlib import contextmanager
 
 import torch
 
-from bench.prompts import code_prompts
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter
-from engine.model import Transformer
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.sampling import SamplingParams
+from tools.corpus import code_prompts
 
 
 @contextmanager
@@ -65,7 +65,7 @@ def main() -> None:
     for batch in (1, 8):
         for k, temperature in ((0, 0.0), (3, 0.0), (3, 1.0)):
             drafter = DraftModelDrafter(draft, batch, 2048) if k else None
-            engine = Engine(target, drafter, batch, 2048, [k], max_k=max(k, 1), initial_k=k)
+            engine = Engine(target, drafter, batch, 2048, [k], max_k=max(k, 1))
             models = [target.model] + ([drafter.model] if drafter is not None else [])
             params = SamplingParams(max_tokens=args.tokens, temperature=temperature, seed=1)
             for prompt in prompts:
@@ -74,7 +74,7 @@ def main() -> None:
             with timed_forwards(models, spent):
                 while engine.has_work:
                     began = time.perf_counter()
-                    engine.step()
+                    engine.step(k)
                     total += time.perf_counter() - began
                     rounds += 1
             rest = total - spent[0]

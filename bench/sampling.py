@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from bench.prompts import code_prompts
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
 from engine.sampling import SamplingParams, nucleus, nucleus_by_operators
+from tools.corpus import code_prompts
 
 
 def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

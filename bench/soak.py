@@ -36,12 +36,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.prompts import code_prompts
 from control.ctl import Unreachable, request
-from daemon.chat import ChatTemplate
+from engine.chat_template import ChatTemplate
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
 from engine.sampling import SamplingParams
+from tools.corpus import code_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 24

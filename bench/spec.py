@@ -36,145 +36,30 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
-import json
 import sys
-import time
-from collections import Counter, defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import cache, partial
 from pathlib import Path
 
+from bench.over_http import run_url
+from bench.report import ModeReport, plot, print_table, write_reports
+from bench.side_by_side import run_controllers, run_mode
+from bench.workload import WorkItem, read_workload
+from control import assemble
 from control.arguments import at_least
+from control.assemble import Models, load_models
 from control.config import ConfigError, ConfigSnapshot, load_config
-from daemon import runtime
-from daemon.logs import configure_logging
-from daemon.runtime import Models, load_models
-from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS, CheckpointError
+from control.logs import configure_logging
 from engine.controller import Controller
-from engine.device import DeviceError
-from engine.dflash import DFlashModel, load_dflash
-from engine.eagle3 import Eagle3Model, load_eagle3
-from engine.model import Transformer
+from engine.device.resolve import DeviceError
+from engine.model.config import DRAFT_QUANTIZATIONS, DRAFTERS, CheckpointError
+from engine.model.dflash import DFlashModel, load_dflash
+from engine.model.eagle3 import Eagle3Model, load_eagle3
+from engine.model.transformer import Transformer
 from engine.policy import DEFAULT_CANDIDATES, PolicyParams
-from engine.request import Request
-from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    prompt: str
-    params: SamplingParams
-    phase: str
-    arrival_s: float | None
-
-
-WORKLOAD_KEYS = frozenset(
-    {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "phase", "arrival_s"}
-)
-
-
-def read_workload(path: Path) -> list[WorkItem]:
-    items = []
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise SystemExit(f"{path}: cannot read the workload ({err.strerror})") from None
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-            if not isinstance(raw, dict):
-                raise ValueError("not a JSON object")
-            if unknown := sorted(set(raw) - WORKLOAD_KEYS):  # a typo would run with a default
-                raise ValueError(f"unknown key {unknown[0]!r}; a request has {', '.join(sorted(WORKLOAD_KEYS))}")
-            if "prompt" not in raw:
-                raise ValueError('no "prompt"')
-            params = SamplingParams(
-                max_tokens=int(raw.get("max_tokens", 128)),
-                temperature=float(raw.get("temperature", 0.0)),
-                top_k=int(raw.get("top_k", 0)),
-                top_p=float(raw.get("top_p", 1.0)),
-                seed=raw.get("seed"),
-                stop=tuple([raw["stop"]] if isinstance(raw.get("stop"), str) else raw.get("stop") or ()),
-            )
-            items.append(WorkItem(str(raw["prompt"]), params, str(raw.get("phase", "all")), raw.get("arrival_s")))
-        except (KeyError, ValueError, TypeError) as err:
-            raise SystemExit(f"{path}:{number}: bad request ({err})") from None
-    if not items:
-        raise SystemExit(f"{path}: no requests")
-    return items
-
-
-@dataclass
-class ModeReport:
-    tokens: int = 0
-    seconds: float = 0.0
-    verified: int = 0  # request-rounds
-    accepted: int = 0
-    switches: int = 0
-    k_rounds: Counter = field(default_factory=Counter)
-    # Where the rounds' seconds went, from the engine's own timings; the rest is the round's own work.
-    prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    phase_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    phase_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, k, tokens)
-    runs: list[float] = field(default_factory=list)  # tokens/s of each run merged in
-
-    def merge(self, other: ModeReport) -> None:
-        """Add another run of the same mode (its timeline is kept, offset to follow this one)."""
-        self.runs.extend(other.runs or [other.tokens / max(other.seconds, 1e-9)])
-        offset = self.seconds
-        self.tokens += other.tokens
-        self.seconds += other.seconds
-        self.verified += other.verified
-        self.accepted += other.accepted
-        self.switches += other.switches
-        self.k_rounds.update(other.k_rounds)
-        self.prefill_seconds += other.prefill_seconds
-        self.draft_seconds += other.draft_seconds
-        self.verify_seconds += other.verify_seconds
-        for phase in other.phase_tokens:
-            self.phase_tokens[phase] += other.phase_tokens[phase]
-            self.phase_seconds[phase] += other.phase_seconds[phase]
-        self.timeline.extend((t + offset, k, n) for t, k, n in other.timeline)
-
-    def round_ms(self) -> dict[str, float]:
-        """Milliseconds a round (in-process modes): drafting, the verify forward, and the rest of
-        the round (accepting, the drafter's extend, bookkeeping), prefill left out."""
-        rounds = max(sum(self.k_rounds.values()), 1)
-        rest = self.seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
-        parts = {"draft": self.draft_seconds, "verify": self.verify_seconds, "rest": max(rest, 0.0)}
-        return {name: 1e3 * seconds / rounds for name, seconds in parts.items()}
-
-    def as_json(self) -> dict:
-        return {
-            "tokens_per_s": self.tokens / self.seconds,
-            "tokens": self.tokens,
-            "seconds": self.seconds,
-            "mean_accepted_drafts": self.accepted / max(self.verified, 1),
-            "switches": self.switches,
-            "runs_tokens_per_s": list(self.runs),
-            "k_histogram": {str(k): n for k, n in sorted(self.k_rounds.items())},
-            "round_ms": self.round_ms(),
-            "prefill_seconds": self.prefill_seconds,
-            "phases": {
-                phase: {
-                    "tokens_per_s": self.phase_tokens[phase] / max(self.phase_seconds[phase], 1e-9),
-                    "tokens": self.phase_tokens[phase],
-                    "seconds": self.phase_seconds[phase],
-                }
-                for phase in self.phase_tokens
-            },
-        }
 
 
 def mode_snapshot(snapshot: ConfigSnapshot, mode: str) -> ConfigSnapshot:
@@ -219,7 +104,7 @@ def build_controller(
             path = getattr(settings.engine, kind)
             if path is not None and path != getattr(snapshot.engine, kind):
                 models = replace(models, **{kind: named_drafter(kind, path, models.target.model)})
-        return runtime.build_controller(settings, models, max_batch_size=concurrency, max_seq_len=max_seq_len)
+        return assemble.build_controller(settings, models, max_batch_size=concurrency, max_seq_len=max_seq_len)
     except (CheckpointError, ValueError) as err:  # a drafter not in place, a k no state can have
         raise SystemExit(f"mode {mode!r}: {err}") from None
 
@@ -231,7 +116,7 @@ NAMED_DRAFTERS = {"eagle3": load_eagle3, "dflash": load_dflash}
 @cache
 def named_drafter(kind: str, path: Path, target: Transformer) -> Eagle3Model | DFlashModel:
     """The EAGLE-3 head or DFlash drafter a mode names, loaded once: every run of the mode shares
-    it, as the config's drafters are shared (daemon.runtime.Models)."""
+    it, as the config's drafters are shared (control.assemble.Models)."""
     return NAMED_DRAFTERS[kind](path, target)
 
 
@@ -278,80 +163,6 @@ def parse_override(text: str) -> tuple[str, object]:
     return name, value
 
 
-class ModeRun:
-    """One mode serving the workload a round at a time, on its own clock: the wall time of its
-    own rounds (and, open loop, of waiting for the next arrival while it has nothing to do)."""
-
-    def __init__(self, controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> None:
-        self.controller = controller
-        self.concurrency = concurrency
-        self.report = ModeReport()
-        requests = [Request(tuple(tokenizer.encode(i.prompt).ids), i.params) for i in items]
-        self.phase_of = {r.id: i.phase for r, i in zip(requests, items)}
-        self.open_loop = any(i.arrival_s is not None for i in items)
-        self.queue = list(zip(requests, items))
-        self.in_flight = 0
-        self.clock = 0.0
-
-    @property
-    def done(self) -> bool:
-        return not self.queue and not self.controller.engine.has_work
-
-    def advance(self) -> None:
-        """Submit what is due, then run one round."""
-        engine, report = self.controller.engine, self.report
-        while self.queue and (
-            (self.open_loop and (self.queue[0][1].arrival_s or 0.0) <= self.clock)
-            or (not self.open_loop and self.in_flight < self.concurrency)
-        ):
-            engine.add_request(self.queue.pop(0)[0])
-            self.in_flight += 1
-        if not engine.has_work:
-            self.clock = max(self.clock, self.queue[0][1].arrival_s or 0.0)  # idle until the next arrival
-            report.seconds = self.clock
-            return
-        started = time.perf_counter()
-        result = self.controller.step()
-        round_seconds = time.perf_counter() - started
-        self.clock += round_seconds
-        emitted: dict[str, int] = defaultdict(int)
-        for out in result.outputs:
-            emitted[self.phase_of[out.request_id]] += len(out.new_tokens)
-            if out.verified:
-                report.verified += 1
-                report.accepted += out.drafts_accepted
-            if out.finish_reason is not None:
-                self.in_flight -= 1
-        total = sum(emitted.values())
-        for phase, n in emitted.items():
-            report.phase_tokens[phase] += n
-            report.phase_seconds[phase] += round_seconds * n / total
-        report.tokens += total
-        if result.batch_size:
-            report.k_rounds[result.k] += 1
-        report.prefill_seconds += result.prefill_seconds
-        report.draft_seconds += result.draft_seconds
-        report.verify_seconds += result.verify_seconds
-        report.timeline.append((self.clock, result.k, total))
-        report.seconds = self.clock
-        report.switches = self.controller.switches
-
-
-def run_side_by_side(runs: list[ModeRun]) -> None:
-    """Run the modes in lockstep, one round of each in turn, until every one has served the
-    workload. A drift of the machine's speed (another tenant, the clock) lasts far longer than a
-    round, so it lands on every mode alike instead of on whichever mode ran at the time. Each turn
-    starts one mode further on: the same mode first in every turn served about 1% slower than
-    the same mode third (three copies of one mode, 3 runs), a bias as large as what is measured."""
-    for turn in itertools.count():
-        live = [run for run in runs if not run.done]
-        if not live:
-            return
-        first = turn % len(live)
-        for run in live[first:] + live[:first]:
-            run.advance()
-
-
 def run_modes(
     modes: list[str],
     items: list[WorkItem],
@@ -364,180 +175,6 @@ def run_modes(
     """Serve `items` with every mode side by side, `repeats` times over, each time on new engines."""
     factories = {mode: partial(build_controller, mode, snapshot, models, concurrency, max_seq_len) for mode in modes}
     return run_controllers(factories, items, models.target.tokenizer, concurrency, repeats)
-
-
-def run_controllers(
-    factories: dict[str, Callable[[], Controller]], items: list[WorkItem], tokenizer, concurrency: int, repeats: int
-) -> dict[str, ModeReport]:
-    """Serve `items` with the controller each factory builds, side by side, `repeats` times over,
-    each time on new engines; reports by factory name."""
-    reports = {name: ModeReport() for name in factories}
-    for repeat in range(repeats):
-        runs = {name: ModeRun(build(), items, tokenizer, concurrency) for name, build in factories.items()}
-        run_side_by_side(list(runs.values()))
-        for name, run in runs.items():
-            reports[name].merge(run.report)
-            print(f"  {name} (run {repeat + 1}): {run.report.tokens / run.report.seconds:.1f} tok/s", file=sys.stderr)
-    return reports
-
-
-def write_reports(path: Path, reports: dict[str, ModeReport]) -> None:
-    path.write_text(json.dumps({"modes": {m: r.as_json() for m, r in reports.items()}}, indent=2) + "\n")
-
-
-def run_mode(controller: Controller, items: list[WorkItem], tokenizer, concurrency: int) -> ModeReport:
-    run = ModeRun(controller, items, tokenizer, concurrency)
-    run_side_by_side([run])
-    return run.report
-
-
-def run_url(url: str, items: list[WorkItem], concurrency: int, timeout: float = 600.0) -> ModeReport:
-    """Serve `items` through the HTTP API at `url`: closed loop with `concurrency` clients, or open
-    loop when the workload has arrival times."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape(client: httpx.Client) -> Counter[tuple[str, str]]:
-        """Rounds by k, and switches (of every reason) under k = ""."""
-        totals: Counter[tuple[str, str]] = Counter()
-        for family in text_string_to_metric_families(client.get("/metrics").raise_for_status().text):
-            for sample in family.samples:
-                if sample.name in ("adaspec_rounds_total", "adaspec_switches_total"):
-                    totals[sample.name, sample.labels.get("k", "")] += sample.value
-        return totals
-
-    report = ModeReport()
-    open_loop = any(i.arrival_s is not None for i in items)
-    with httpx.Client(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=len(items))) as client:
-        before = scrape(client)
-        started = time.perf_counter()
-
-        def serve(item: WorkItem) -> tuple[float, float, dict]:
-            if open_loop:
-                time.sleep(max(0.0, (item.arrival_s or 0.0) - (time.perf_counter() - started)))
-            sent = time.perf_counter() - started
-            body = client.post("/v1/completions", json=completion_body(item)).raise_for_status().json()
-            return sent, time.perf_counter() - started, body
-
-        with ThreadPoolExecutor(len(items) if open_loop else concurrency) as pool:
-            served = list(pool.map(serve, items))
-        report.seconds = time.perf_counter() - started
-        after = scrape(client)
-    for item, (_, _, body) in zip(items, served):
-        report.tokens += body["usage"]["completion_tokens"]
-        report.phase_tokens[item.phase] += body["usage"]["completion_tokens"]
-        report.verified += body["adaspec"]["rounds"]
-        report.accepted += body["adaspec"]["accepted_drafts"]
-    report.phase_seconds.update(share_by_phase([(sent, done, i.phase) for i, (sent, done, _) in zip(items, served)]))
-    for (name, k), value in after.items():
-        moved = round(value - before[name, k])
-        if name == "adaspec_rounds_total" and moved:
-            report.k_rounds[int(k)] += moved
-        elif name == "adaspec_switches_total":
-            report.switches += moved
-    return report
-
-
-def completion_body(item: WorkItem) -> dict:
-    params = item.params
-    body = {"prompt": item.prompt, "max_tokens": params.max_tokens, "temperature": params.temperature}
-    body |= {"top_p": params.top_p, "top_k": params.top_k, "seed": params.seed, "stop": list(params.stop) or None}
-    return body
-
-
-def share_by_phase(spans: list[tuple[float, float, str]]) -> dict[str, float]:
-    """Wall time per phase: each moment is shared equally among the requests in flight then."""
-    seconds: dict[str, float] = defaultdict(float)
-    moments = sorted({t for start, end, _ in spans for t in (start, end)})
-    for a, b in zip(moments, moments[1:]):
-        live = [phase for start, end, phase in spans if start <= a and end >= b]
-        for phase in live:
-            seconds[phase] += (b - a) / len(live)
-    return seconds
-
-
-def print_table(reports: dict[str, ModeReport]) -> None:
-    baseline = reports.get("none")
-    phases = sorted({p for r in reports.values() for p in r.phase_tokens})
-    header = f"{'mode':<18} {'tok/s':>8} {'x none':>7} {'acc/round':>9} {'switches':>8}  " + " ".join(
-        f"{p + ' tok/s':>14}" for p in phases
-    )
-    print(header)
-    for mode, r in reports.items():
-        ratio = f"{(r.tokens / r.seconds) / (baseline.tokens / baseline.seconds):.2f}x" if baseline else "-"
-        per_phase = " ".join(f"{r.phase_tokens[p] / max(r.phase_seconds[p], 1e-9):>14.1f}" for p in phases)
-        print(
-            f"{mode:<18} {r.tokens / r.seconds:>8.1f} {ratio:>7} {r.accepted / max(r.verified, 1):>9.2f} "
-            f"{r.switches:>8}  {per_phase}"
-        )
-    for mode, r in reports.items():
-        histogram = " ".join(f"k={k}:{n}" for k, n in sorted(r.k_rounds.items()))
-        print(f"  {mode:<16} rounds by k: {histogram}")
-    for mode, r in reports.items():
-        if r.draft_seconds or r.verify_seconds:  # in-process: the engine timed its phases
-            ms = r.round_ms()
-            print(
-                f"  {mode:<16} ms a round: draft {ms['draft']:.3f}, verify {ms['verify']:.3f}, "
-                f"rest {ms['rest']:.3f}; prefill {r.prefill_seconds:.2f} s in all"
-            )
-    # `none` is static k = 0: a policy that turns speculation off must beat it too.
-    statics = {m: r for m, r in reports.items() if m == "none" or m.startswith("static:")}
-    if statics:
-        best_mode = max(statics, key=lambda m: statics[m].tokens / statics[m].seconds)
-        best = statics[best_mode].tokens / statics[best_mode].seconds
-        oracle, fastest = per_phase_oracle(statics, phases)
-        picks = ", ".join(f"{p}: {fastest[p]}" for p in phases)
-        print(f"best static: {best_mode} {best:.1f} tok/s; per-phase oracle: {oracle:.1f} tok/s ({picks})")
-        for mode, r in reports.items():
-            if mode.startswith("adaptive:"):
-                rate = r.tokens / r.seconds
-                # Run by run against the same static mode, run side by side with it: their spread
-                # is the noise a single figure carries.
-                runs = [a / b for a, b in zip(r.runs, statics[best_mode].runs)]
-                spread = f" (runs {', '.join(f'{x:.3f}' for x in runs)})" if len(runs) > 1 else ""
-                print(f"  {mode}: {rate / best:.3f}x best static{spread}, {rate / oracle:.3f}x per-phase oracle")
-
-
-def phase_rate(report: ModeReport, phase: str) -> float:
-    return report.phase_tokens[phase] / max(report.phase_seconds[phase], 1e-9)
-
-
-def per_phase_oracle(statics: dict[str, ModeReport], phases: list[str]) -> tuple[float, dict[str, str]]:
-    """Tokens/s of serving each phase with its fastest static mode, and those modes by phase.
-
-    Sampled requests may stop at EOS sooner in one mode than in another, so phases are compared
-    by rate: the oracle serves each phase's tokens (their mean over the modes) at that phase's
-    best static rate."""
-    fastest = {p: max(statics, key=lambda m: phase_rate(statics[m], p)) for p in phases}
-    tokens = {p: sum(r.phase_tokens[p] for r in statics.values()) / len(statics) for p in phases}
-    oracle = sum(tokens.values()) / sum(tokens[p] / phase_rate(statics[fastest[p]], p) for p in phases)
-    return oracle, fastest
-
-
-def plot(reports: dict[str, ModeReport], out: Path, window: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_k, ax_rate) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for mode, r in reports.items():
-        times = [t for t, _, _ in r.timeline]
-        ax_k.step(times, [k for _, k, _ in r.timeline], where="post", label=mode, linewidth=1)
-        rates, start, acc = [], 0, 0
-        for t, _, n in r.timeline:
-            acc += n
-            while r.timeline[start][0] < t - window:
-                acc -= r.timeline[start][2]
-                start += 1
-            rates.append(acc / window if t >= window else acc / max(t, 1e-9))
-        ax_rate.plot(times, rates, label=mode, linewidth=1)
-    ax_k.set_ylabel("draft length k")
-    ax_rate.set_ylabel(f"tokens/s ({window:.0f} s window)")
-    ax_rate.set_xlabel("seconds")
-    ax_k.legend(fontsize="small", ncol=3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
 
 
 def make_parser() -> argparse.ArgumentParser:

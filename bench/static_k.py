@@ -13,11 +13,13 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from bench.prompts import code_prompts
-from bench.spec import ROOT, WorkItem, build_controller, run_mode
+from bench.side_by_side import run_mode
+from bench.spec import ROOT, build_controller
+from bench.workload import WorkItem
+from control.assemble import load_models
 from control.config import load_config
-from daemon.runtime import load_models
 from engine.sampling import SamplingParams
+from tools.corpus import code_prompts
 
 STEPS = (1, 3, 5, 7)
 

@@ -24,9 +24,12 @@ import math
 import sys
 from pathlib import Path
 
-from bench.spec import DRAFTERS, ROOT, bench_snapshot, drafters_of, plot, print_table, read_workload, run_modes, warm_up
+from bench.report import plot, print_table
+from bench.spec import ROOT, bench_snapshot, drafters_of, run_modes, warm_up
+from bench.workload import read_workload
 from control.arguments import at_least, integers
-from daemon.runtime import load_models
+from control.assemble import load_models
+from engine.model.config import DRAFTERS
 
 SUITE = Path(__file__).resolve().parent / "workloads" / "suite"
 MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured,adaptive:positional"

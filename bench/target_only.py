@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from engine import native
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
 from engine.generate import generate
+from engine.native.build import problem
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -78,7 +78,7 @@ def main() -> None:
     encoded = [checkpoint.tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids for i in range(8)]
     params = sum(p.numel() for p in checkpoint.model.parameters())
     threads = torch.get_num_threads()
-    forward = "compiled forward" if checkpoint.model.native is not None else f"no compiled forward: {native.problem()}"
+    forward = "compiled forward" if checkpoint.model.native is not None else f"no compiled forward: {problem()}"
     print(f"model {args.model}: {params / 1e6:.1f}M parameters, {threads} threads, {args.tokens} new tokens, {forward}")
     runners = {
         "generate": lambda prompts, n: run_generate(checkpoint, prompts, n),

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from control.bounded import clip
-from engine.config import (
+from engine.model.config import (
     DFLASH_KINDS,
     DRAFT_MODEL_KINDS,
     DRAFT_QUANTIZATIONS,
@@ -725,9 +725,9 @@ def _inspect_drafter(name: str, path: Path, target: ModelConfig) -> None:
     weights' header. Its module (which needs torch) is imported only where one is configured, so
     a check of any other config stays quick."""
     if name == "engine.dflash":
-        from engine.dflash import inspect_dflash_weights as inspect
+        from engine.model.dflash import inspect_dflash_weights as inspect
     else:
-        from engine.eagle3 import inspect_eagle3_weights as inspect
+        from engine.model.eagle3 import inspect_eagle3_weights as inspect
     inspect(path, target)
 
 

@@ -12,6 +12,7 @@ listening; a SIGTERM while the models load stops the start there, listeners clos
 from __future__ import annotations
 
 import ctypes
+import gc
 import hashlib
 import logging
 import os
@@ -29,17 +30,17 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from control.admin import AdminSocketError, serve_admin
+from control.assemble import Phase, build_engine
 from control.config import ConfigSnapshot
 from daemon.auth import api_key
-from daemon.chat import ChatTemplate, ChatTemplateError
 from daemon.commands import AdminCommands
 from daemon.http import Front, HttpBindError, HttpServer, OpenAIApi
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.reload import Reloader
-from daemon.runtime import Phase, build_engine
 from daemon.startup import Startup
 from daemon.watch import watch_config
+from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.loop import EngineLoop
 
 log = structlog.get_logger("adaspec.daemon")
@@ -298,6 +299,9 @@ def _engine_thread(
     except BaseException as err:
         built.set_exception(err)
         return
+    # Start-up made millions of objects (torch, the models) that live as long as the process; the
+    # collector would walk them again and again, a few percent of every round's time.
+    gc.freeze()
     built.set_result(loop)
     loop.run()
 

@@ -13,7 +13,7 @@ import anyio
 import structlog
 
 from control.config import ConfigError, load_config
-from daemon.logs import configure_logging
+from control.logs import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,10 +39,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from daemon.auth import ApiKeyMiddleware
-from daemon.chat import ChatTemplate, ChatTemplateError
 from daemon.metrics import CLIENT_CLOSED, Metrics, MetricsMiddleware
 from daemon.protocol import ApiError, GenerateRequest, Reply, Usage, parse_chat, parse_completion
 from daemon.text import TextStream
+from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.core import SequenceOutput
 from engine.loop import EngineLoop
 from engine.request import Request

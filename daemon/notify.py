@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from daemon.logs import get_logger
+from control.logs import get_logger
 
 _LOGGER_NAME = "adaspec.notify"
 # A datagram to systemd is queued at once unless its queue is full; bounded so that a stuck

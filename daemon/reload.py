@@ -17,10 +17,10 @@ from pathlib import Path
 import anyio
 import structlog
 
+from control.assemble import required_k
 from control.config import ConfigError, ConfigSnapshot, diff, parse_config
-from daemon.logs import configure_logging
+from control.logs import configure_logging
 from daemon.notify import Notifier
-from daemon.runtime import required_k
 from engine.loop import EngineLoop
 
 log = structlog.get_logger("adaspec.reload")

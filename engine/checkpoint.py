@@ -20,10 +20,11 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from engine import native
-from engine.config import CheckpointError, ModelConfig, read_tokenizer, weight_shapes
-from engine.device import resolve_device, resolve_dtype
-from engine.model import Transformer, can_pack_linears
+from engine.device.resolve import resolve_device, resolve_dtype
+from engine.model.config import CheckpointError, ModelConfig, read_tokenizer, weight_shapes
+from engine.model.transformer import Transformer, can_pack_linears
+from engine.native.build import available, library
+from engine.native.forward import NativeForward
 
 # Our fused parameter -> the Hugging Face tensors concatenated (in order) along dim 0.
 _FUSED = {
@@ -155,7 +156,7 @@ def load_checkpoint(
     if (
         dtype == "auto"
         and native_forward
-        and native.available(torch_device, torch.bfloat16)
+        and available(torch_device, torch.bfloat16)
         and stored_dtypes(files) == {"BF16"}
     ):
         torch_dtype = torch.bfloat16
@@ -207,7 +208,7 @@ def load_checkpoint(
     if left:
         raise CheckpointError(f"{path}: no weights for {left[0]!r}")
     model.eval().requires_grad_(False)
-    if not (native_forward and model.use_native()) and can_pack_linears(torch_device, torch_dtype):
+    if not (native_forward and use_native(model)) and can_pack_linears(torch_device, torch_dtype):
         model.pack_linears()
 
     tokenizer_path = path / "tokenizer.json"
@@ -253,3 +254,15 @@ def save_checkpoint(
         tokenizer.save(str(path / "tokenizer.json"))
     if generation_config is not None:
         (path / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+
+
+def use_native(model: Transformer) -> bool:
+    """Run every forward of `model` through the compiled CPU kernels where they can serve it:
+    float32 or bfloat16 weights on a CPU, with a C compiler. Moving or loading the parameters
+    afterwards turns them off again. Returns whether they are on."""
+    weight = model.embed_tokens.weight
+    if model.native is None and available(weight.device, weight.dtype):
+        lib = library()
+        assert lib is not None
+        model.native = NativeForward(model, lib)
+    return model.native is not None

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import structlog
 
+from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.core import Engine, StepResult
 from engine.policy import Observation, Policy, PolicyParams, RoundProfile, make_policy
 
 log = structlog.get_logger("adaspec.engine")
-# The same name in the standard library's tree, whose level follows the daemon's (daemon/logs.py).
+# The same name in the standard library's tree, whose level follows the daemon's (control/logs.py).
 levels = logging.getLogger("adaspec.engine")
 
 
@@ -94,7 +95,6 @@ class Controller:
         self._k = self._wanted_k()
         self._reason = "start"
         self._require_state(self._k)
-        self.engine.select(self._k)
 
     # ---- what the next round uses --------------------------------------------------------
 
@@ -130,39 +130,40 @@ class Controller:
         return Ack(self.engine.round, self._k, self.mode_name)
 
     def _apply(self, message: Message) -> str:
-        if isinstance(message, Pin):
-            self._require_state(message.k)
-            # A force not yet run is overridden: unpin resumes adapting from the pinned k.
-            self.pinned, self.forced = message.k, None
-            return "pin"
-        if isinstance(message, Unpin):
-            if self.pinned is not None:
-                self.policy.set_k(self.pinned)
-            self.pinned = None
-            return "unpin"
-        if isinstance(message, Force):
-            self._require_state(message.k)
-            if self.mode == "static":
-                raise ValueError(FORCE_NEEDS_ADAPTING)
-            self.pinned = None
-            self.forced = message.k
-            # The policy adapts from the forced k (snapped onto its candidates) afterwards.
-            self.policy.set_k(message.k)
-            return "force"
-        for k in message.params.all_k:
-            self._require_state(k)
-        if message.static_k is not None:
-            self._require_state(message.static_k)
-        if message.params.strategy != self.params.strategy or bool(message.params.slots) != bool(self.params.slots):
-            # Another strategy learns other things: it starts afresh from the current k.
-            self.policy = make_policy(message.params, self.policy.k, self.profile)
-        else:
-            self.policy.update_params(message.params)
-        self.params = message.params
-        self.mode = "adaptive" if message.adaptive else "static"
-        if message.static_k is not None:
-            self.static_k = message.static_k
-        return "params"
+        match message:
+            case Pin(k):
+                self._require_state(k)
+                # A force not yet run is overridden: unpin resumes adapting from the pinned k.
+                self.pinned, self.forced = k, None
+                return "pin"
+            case Unpin():
+                if self.pinned is not None:
+                    self.policy.set_k(self.pinned)
+                self.pinned = None
+                return "unpin"
+            case Force(k):
+                self._require_state(k)
+                if self.mode == "static":
+                    raise ValueError(FORCE_NEEDS_ADAPTING)
+                self.pinned, self.forced = None, k
+                # The policy adapts from the forced k (snapped onto its candidates) afterwards.
+                self.policy.set_k(k)
+                return "force"
+            case SetParams(params, adaptive, static_k):
+                for k in params.all_k:
+                    self._require_state(k)
+                if static_k is not None:
+                    self._require_state(static_k)
+                if params.strategy != self.params.strategy or bool(params.slots) != bool(self.params.slots):
+                    # Another strategy learns other things: it starts afresh from the current k.
+                    self.policy = make_policy(params, self.policy.k, self.profile)
+                else:
+                    self.policy.update_params(params)
+                self.params = params
+                self.mode = "adaptive" if adaptive else "static"
+                if static_k is not None:
+                    self.static_k = static_k
+                return "params"
 
     @property
     def mode_name(self) -> str:
@@ -190,13 +191,16 @@ class Controller:
         if self.on_switch is not None:
             self.on_switch(previous, k, reason)
 
+    @property
+    def rule(self) -> ConfidenceRule:
+        """Which drafts the next round verifies: a pinned, forced or static k verifies exactly k;
+        the policy's rounds verify those the drafter is at least `draft_confidence` sure of."""
+        return ConfidenceRule(self.params.draft_confidence) if self.mode_name == "adaptive" else EVERY_DRAFT
+
     def step(self) -> StepResult:
-        """Run one round with the chosen state."""
-        self.engine.select(self._k)
-        # A pinned, forced or static k verifies exactly k drafts; the policy's rounds may trim.
-        self.engine.draft_confidence = self.params.draft_confidence if self.mode_name == "adaptive" else 0.0
+        """Run one round with the k and the rule decided here."""
         started = time.perf_counter()
-        result = self.engine.step()
+        result = self.engine.step(self._k, self.rule)
         round_seconds = time.perf_counter() - started - result.prefill_seconds
         verified = [o for o in result.outputs if o.verified]
         if verified:

@@ -1,11 +1,14 @@
-"""The engine core: continuous batching and one speculative round per `step()`.
+"""The engine core: continuous batching and one speculative round per `step(k, rule)`.
 
-A round, for every running sequence at once: `draft` up to k tokens, `verify` them with one target
-forward of k+1 tokens, `accept` the kept ones (rolling back the target and draft caches), and
-emit them. New requests are prefilled and join, and finished ones leave, only between rounds.
+A round, for every running sequence at once: plan how many drafts each may take (k, capped by
+what it has left), `propose` them with the drafter, cut them by the one `ConfidenceRule`
+(engine/confidence.py), `verify` them with one target forward of k+1 tokens, and `accept` the
+kept ones (rolling back the target and draft caches) and emit them. New requests are prefilled
+and join, and finished ones leave, only between rounds.
 
-The draft length k lives in a `RuntimeState` built for each candidate k before serving; changing
-k means selecting another built state between rounds, never building one inside a round.
+Which k and which rule a round runs with are the caller's decisions (engine/controller.py), passed
+in. Each k runs with a `RuntimeState` built for it before serving; a round selects one by k, never
+building one inside a round.
 
 Only the thread that calls `step()` touches an engine; from other threads, engine/loop.py's
 inbox is the one way in.
@@ -19,19 +22,19 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from engine.backend import Backend, backend_for
 from engine.checkpoint import Checkpoint
+from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.detokenize import OutputText
-from engine.dflash import DFlashDrafter
-from engine.drafters import Drafter, DraftModelDrafter, NgramDrafter, Proposal
-from engine.eagle3 import Eagle3Drafter
-from engine.graphs import CallGraphs, ForwardMode, GraphRunner, GraphSet, default_batch_sizes
-from engine.model import Captured
+from engine.device.backend import Backend, backend_for
+from engine.device.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
+from engine.drafters.base import Drafter, Proposal
+from engine.model.transformer import Captured
 from engine.request import Request, Sequence, finish_reason
 from engine.sampling import SamplingParams, next_token
 from engine.verify import CHAIN_RULES, verify
@@ -50,6 +53,25 @@ class StateStats:
     # proposed_at[j] / accepted_at[j]: drafts at chain position j proposed / kept.
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+
+    def observe(self, result: StepResult) -> None:
+        """Count what a round run with this state showed."""
+        self.rounds += 1
+        self.draft_seconds += result.draft_seconds
+        self.verify_seconds += result.verify_seconds
+        for out in result.outputs:
+            if not out.verified:
+                continue
+            proposed, kept = out.drafts_proposed, out.drafts_accepted
+            self.tokens += kept + 1
+            self.drafts_proposed += proposed
+            self.drafts_accepted += kept
+            while len(self.proposed_at) < proposed:
+                self.proposed_at.append(0)
+                self.accepted_at.append(0)
+            for j in range(proposed):
+                self.proposed_at[j] += 1
+                self.accepted_at[j] += j < kept
 
 
 @dataclass
@@ -113,7 +135,6 @@ class Engine:
         max_seq_len: int,
         candidate_k: Iterable[int],
         max_k: int = 8,
-        initial_k: int | None = None,
         backend: Backend | None = None,
         graphs: bool = True,
         graph_batch_sizes: Iterable[int] | None = None,
@@ -133,15 +154,9 @@ class Engine:
         self.cache = self.model.new_cache(max_batch_size, max_seq_len)
         self.backend = backend or backend_for(self.model.embed_tokens.weight.device)
         self.graph_runner: GraphRunner | None = None
-        self.draft_graph_runner: GraphRunner | None = None
         if graphs and self.backend.supports_graphs:
             sizes = list(graph_batch_sizes or default_batch_sizes(max_batch_size))
             self.graph_runner = GraphRunner(self.model, self.cache, self.backend, sizes)
-            if isinstance(drafter, DraftModelDrafter):
-                self.draft_graph_runner = GraphRunner(drafter.model, drafter.cache, self.backend, sizes)
-        # How sure a drafter must be of a draft for it to be verified (0: every draft; the rule
-        # is the drafter's, `Drafter.propose`); set by the controller while the policy adapts.
-        self.draft_confidence = 0.0
         self.round = 0
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
@@ -151,8 +166,6 @@ class Engine:
             self.build_state(k)
         if not self.states:
             raise ValueError("at least one candidate draft length is needed")
-        first = initial_k if initial_k is not None else max(self.states)
-        self.state = self.states[first]
 
     # ---- runtime states -------------------------------------------------------------------
 
@@ -169,48 +182,27 @@ class Engine:
         graphs, memory = None, 0
         self._warm_up_verify(k)
         if self.graph_runner is not None:
-            graphs, memory = self._capture_graphs(k)
+            # State k's verify graphs, and whatever the drafter captures for k (it owns those).
+            graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], self.capture_layers)
+            memory = graphs.memory_bytes
+            if self.drafter is not None:
+                memory += self.drafter.capture(k, self.backend, self.graph_runner.batch_sizes)
         state = RuntimeState(k=k, build_seconds=time.perf_counter() - started, memory_bytes=memory, graphs=graphs)
         self.states[k] = state
         return state
 
-    def _capture_graphs(self, k: int) -> tuple[GraphSet, int]:
-        """State k's verify graphs (and a feature drafter's extend after a verify of k + 1, and an
-        EAGLE-3 head's greedy chain of k), and the shared draft-step graphs if no state has
-        captured them yet (this state then pays for them); returns the graphs and the memory they
-        added."""
-        assert self.graph_runner is not None
-        graphs = self.graph_runner.capture(ForwardMode.VERIFY, [k + 1], self.capture_layers)
-        memory = graphs.memory_bytes
-        drafter = self.drafter
-        if k > 0 and self.draft_graph_runner is not None and isinstance(drafter, DraftModelDrafter):
-            if drafter.graphs is None:
-                drafter.graphs = self.draft_graph_runner.capture(ForwardMode.DRAFT, [1, 2])
-                memory += drafter.graphs.memory_bytes
-        if k > 0 and isinstance(drafter, (Eagle3Drafter, DFlashDrafter)) and drafter.graphs is None:
-            drafter.graphs = drafter.capture_graphs(self.backend, self.graph_runner.batch_sizes)
-            memory += drafter.graphs.memory_bytes
-        sizes = self.graph_runner.batch_sizes
-        if k > 0 and isinstance(drafter, Eagle3Drafter):
-            chain = drafter.chain_graphs[k] = drafter.capture_chain(self.backend, sizes, k)
-            extend = drafter.extend_graphs[k + 1] = drafter.capture_extend(self.backend, sizes, k + 1)
-            memory += chain.memory_bytes + extend.memory_bytes
-        if isinstance(drafter, DFlashDrafter):  # at k = 0 too: the context still takes in each round's token
-            extend = drafter.extend_graphs[k + 1] = drafter.capture_extend(self.backend, sizes, k + 1)
-            memory += extend.memory_bytes
-        return graphs, memory
+    def state(self, k: int) -> RuntimeState:
+        """The built state for `k` (a round selects it by this lookup: a reference, nothing built)."""
+        state = self.states.get(k)
+        if state is None:
+            raise KeyError(f"no runtime state for draft length {k}; built: {sorted(self.states)}")
+        return state
 
     @property
     def graph_captures(self) -> int:
         """Graphs captured so far: only building a state adds to it, never selecting one."""
-        runners: list[GraphRunner | CallGraphs | None] = [self.graph_runner, self.draft_graph_runner]
-        if isinstance(self.drafter, (Eagle3Drafter, DFlashDrafter)):
-            runners.append(self.drafter.graphs)
-        if isinstance(self.drafter, Eagle3Drafter):
-            runners += self.drafter.chain_graphs.values()
-        if isinstance(self.drafter, (Eagle3Drafter, DFlashDrafter)):
-            runners += self.drafter.extend_graphs.values()
-        return sum(r.captures for r in runners if r is not None)
+        target = self.graph_runner.captures if self.graph_runner is not None else 0
+        return target + (self.drafter.graph_captures if self.drafter is not None else 0)
 
     @torch.inference_mode()
     def _warm_up_verify(self, k: int) -> None:
@@ -234,17 +226,11 @@ class Engine:
         round at every k in turn, `rounds` times over, so that every k is timed on the same
         contexts and any drift of the machine's speed falls on all of them alike. Between rounds
         only, with nothing running: what the timed requests leave behind (round count, each
-        state's stats, the lookup history) is put back. A hybrid drafter times its model: its
-        lookups cost almost nothing, and no prompt says how often they will match."""
+        state's stats, the drafter's lookups: `Drafter.timing`) is put back."""
         if self.has_work:
             raise RuntimeError("time_rounds needs an idle engine")
-        saved_round, saved_state = self.round, self.state
+        saved_round = self.round
         saved_stats = {k: copy.deepcopy(state.stats) for k, state in self.states.items()}
-        drafter = self.drafter
-        lookups = drafter if isinstance(drafter, NgramDrafter) else getattr(drafter, "lookups", None)
-        if lookups is not None:
-            saved_history, lookups.history = lookups.history, None
-            lookups.enabled = lookups is drafter
         # Any tokens: a round costs the same whatever they say.
         vocab, length = self.model.config.vocab_size, min(context, self.max_seq_len // 2)
         prompt = tuple((16 + i) % vocab for i in range(length))
@@ -253,48 +239,44 @@ class Engine:
         params = SamplingParams(max_tokens=max(1, min(self.max_seq_len - length, longest)), ignore_eos=True)
         seconds: dict[tuple[int, int], float] = {}
         try:
-            for batch_size in sorted({min(b, self.max_batch_size) for b in batch_sizes}):
-                times: dict[int, list[float]] = {k: [] for k in order}
-                after_zero = False
-                for turn in range(2 * (rounds + 1)):
-                    if min(len(taken) for taken in times.values()) >= rounds:
-                        break
-                    if not self.running:  # new sequences: a short max_seq_len ends them early
-                        for _ in range(batch_size):
-                            self.add_request(Request(prompt, params))
-                        self.step()  # their prefill, and a round that warms the shapes
-                    # Each turn starts at another k, so that every k gets rounds before the
-                    # sequences end; a round after k = 0 is not timed (the drafter catches up).
-                    for k in order[turn % len(order) :] + order[: turn % len(order)]:
-                        self.state = self.states[k]
-                        started = time.perf_counter()
-                        result = self.step()
-                        if result.batch_size == batch_size and not after_zero:
-                            times[k].append(time.perf_counter() - started)
-                        after_zero = k == 0
-                for seq in self.running:
-                    self.cancel(seq.request.id)
-                while self.has_work:
-                    self.step()
-                for k, taken in times.items():
-                    if taken:
-                        seconds[k, batch_size] = self.states[k].round_seconds[batch_size] = statistics.median(taken)
+            with self.drafter.timing() if self.drafter is not None else nullcontext():
+                for batch_size in sorted({min(b, self.max_batch_size) for b in batch_sizes}):
+                    times = self._time_batch(batch_size, prompt, params, order, rounds)
+                    for k, taken in times.items():
+                        if taken:
+                            seconds[k, batch_size] = self.states[k].round_seconds[batch_size] = statistics.median(taken)
         finally:
-            self.round, self.state = saved_round, saved_state
+            self.round = saved_round
             for k, state in self.states.items():
                 state.stats = saved_stats[k]
-            if lookups is not None:
-                lookups.enabled, lookups.history = True, saved_history
         return seconds
 
-    def select(self, k: int) -> RuntimeState:
-        """Make the state for `k` active from the next round on (a reference swap: its graphs are
-        already captured). Call between rounds only."""
-        state = self.states.get(k)
-        if state is None:
-            raise KeyError(f"no runtime state for draft length {k}; built: {sorted(self.states)}")
-        self.state = state
-        return state
+    def _time_batch(
+        self, batch_size: int, prompt: tuple[int, ...], params: SamplingParams, order: list[int], rounds: int
+    ) -> dict[int, list[float]]:
+        """Each k's round seconds at one batch size (`time_rounds`)."""
+        times: dict[int, list[float]] = {k: [] for k in order}
+        after_zero = False
+        for turn in range(2 * (rounds + 1)):
+            if min(len(taken) for taken in times.values()) >= rounds:
+                break
+            if not self.running:  # new sequences: a short max_seq_len ends them early
+                for _ in range(batch_size):
+                    self.add_request(Request(prompt, params))
+                self.step(order[0])  # their prefill, and a round that warms the shapes
+            # Each turn starts at another k, so that every k gets rounds before the sequences
+            # end; a round after k = 0 is not timed (the drafter catches up).
+            for k in order[turn % len(order) :] + order[: turn % len(order)]:
+                started = time.perf_counter()
+                result = self.step(k)
+                if result.batch_size == batch_size and not after_zero:
+                    times[k].append(time.perf_counter() - started)
+                after_zero = k == 0
+        for seq in self.running:
+            self.cancel(seq.request.id)
+        while self.has_work:
+            self.step(order[0])
+        return times
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -314,8 +296,12 @@ class Engine:
             raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; it joins the batch at the next boundary."""
+        """Check a request and queue it; it joins the batch at the next boundary."""
         self.check_request(request)
+        self.enqueue(request)
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request already checked (`check_request`, at submit on another thread)."""
         self.waiting.append(request)
 
     def cancel(self, request_id: str) -> None:
@@ -329,60 +315,41 @@ class Engine:
     # ---- the round -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> StepResult:
-        """One boundary and one round: admit, draft, verify, accept, emit, retire."""
-        state = self.state
+    def step(self, k: int, rule: ConfidenceRule = EVERY_DRAFT) -> StepResult:
+        """One boundary (cancel, admit), then one round at draft length `k`, whose drafts `rule` cuts."""
+        state = self.state(k)
         outputs: dict[str, SequenceOutput] = {}
         self._apply_cancellations(outputs)
         started = time.perf_counter()
         self._admit(outputs)
-        prefill_seconds = time.perf_counter() - started
-
+        result = StepResult(self.round, k, 0, [], prefill_seconds=time.perf_counter() - started)
         seqs = [s for s in self.running if s.finish_reason is None]
-        result = StepResult(self.round, state.k, len(seqs), [], prefill_seconds=prefill_seconds)
         if seqs:
-            self._round(state, seqs, outputs, result)
+            started = time.perf_counter()
+            # Plan: never draft past max_tokens (the target's own token always follows the drafts).
+            ks = [max(0, min(k, seq.remaining - 1)) for seq in seqs]
+            # Propose: a chain drafter stops where the rule would cut it; a block is cut here.
+            if k > 0 and self.drafter is not None:
+                proposals = self.drafter.propose(seqs, ks, rule)
+            else:
+                proposals = [Proposal([]) for _ in seqs]
+            for proposal in proposals:
+                proposal.cut(rule)
+            drafted = time.perf_counter()
+            # Verify: one target forward over each sequence's pending token and its drafts.
+            emitted, hidden = self.verify(seqs, proposals, state)
+            verified = time.perf_counter()
+            # Accept: emit the kept drafts and the target's token; the caches forget the rest.
+            self.accept(seqs, proposals, emitted, hidden, outputs)
+            result.batch_size = len(seqs)
+            result.draft_seconds, result.verify_seconds = drafted - started, verified - drafted
+            result.drafts_trimmed = sum(p.trimmed for p in proposals)
             self.round += 1
         self._retire()
         result.outputs = list(outputs.values())
+        if seqs:
+            state.stats.observe(result)
         return result
-
-    def _round(self, state: RuntimeState, seqs: list[Sequence], outputs: dict, result: StepResult) -> None:
-        started = time.perf_counter()
-        proposals = self.draft(state, seqs)
-        for proposal in proposals:
-            # A block's confidences came with it: trimmed here. A chain drafter stopped itself.
-            proposal.keep(proposal.confident_drafts(self.draft_confidence))
-            result.drafts_trimmed += proposal.trimmed
-        drafted = time.perf_counter()
-        emitted, hidden = self.verify(seqs, proposals, state)
-        verified = time.perf_counter()
-        self.accept(seqs, proposals, emitted, hidden, outputs)
-
-        result.draft_seconds = drafted - started
-        result.verify_seconds = verified - drafted
-        stats = state.stats
-        stats.rounds += 1
-        stats.draft_seconds += result.draft_seconds
-        stats.verify_seconds += result.verify_seconds
-        for proposal, tokens in zip(proposals, emitted):
-            kept = len(tokens) - 1
-            stats.tokens += len(tokens)
-            stats.drafts_proposed += len(proposal.tokens)
-            stats.drafts_accepted += kept
-            while len(stats.proposed_at) < len(proposal.tokens):
-                stats.proposed_at.append(0)
-                stats.accepted_at.append(0)
-            for j in range(len(proposal.tokens)):
-                stats.proposed_at[j] += 1
-                stats.accepted_at[j] += j < kept
-
-    def draft(self, state: RuntimeState, seqs: Seq[Sequence]) -> list[Proposal]:
-        if state.k == 0 or self.drafter is None:
-            return [Proposal([]) for _ in seqs]
-        # Never draft past max_tokens: the target's own token always comes after the drafts.
-        ks = [max(0, min(state.k, seq.remaining - 1)) for seq in seqs]
-        return self.drafter.propose(seqs, ks, self.draft_confidence)
 
     def verify(
         self, seqs: Seq[Sequence], proposals: Seq[Proposal], state: RuntimeState | None = None
@@ -495,13 +462,17 @@ class Engine:
                 self.drafter.release(seq)
         self.running = still
 
-    def run_until_done(self, requests: Iterable[Request]) -> dict[str, list[int]]:
-        """Serve `requests` to completion (tests and benchmarks); returns each one's output tokens."""
+    def run_until_done(
+        self, requests: Iterable[Request], k: int | None = None, rule: ConfidenceRule = EVERY_DRAFT
+    ) -> dict[str, list[int]]:
+        """Serve `requests` to completion at draft length `k` (the longest built if None), for
+        tests and benchmarks; returns each one's output tokens."""
+        k = max(self.states) if k is None else k
         outputs: dict[str, list[int]] = {}
         for request in requests:
             self.add_request(request)
             outputs[request.id] = []
         while self.has_work:
-            for out in self.step().outputs:
+            for out in self.step(k, rule).outputs:
                 outputs[out.request_id].extend(out.new_tokens)
         return outputs

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.config import CheckpointError
 from engine.detokenize import OutputText
-from engine.device import DeviceError
+from engine.device.resolve import DeviceError
+from engine.model.config import CheckpointError
 from engine.request import finish_reason
 from engine.sampling import SamplingParams, next_token
 

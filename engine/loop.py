@@ -210,26 +210,24 @@ class EngineLoop:
         self.status = self._snapshot()
 
     def _apply(self, command: Command) -> Ack:
-        if isinstance(command, Submit):
-            self._callbacks[command.request.id] = command.on_output
-            try:
-                self.engine.add_request(command.request)
-            except ValueError:
-                self._finished(command.request.id)
-                raise
-        elif isinstance(command, Cancel):
-            if command.request_id in self._callbacks:
-                self.engine.cancel(command.request_id)
-        elif isinstance(command, CancelAll):
-            for request_id in self._callbacks:
-                self.engine.cancel(request_id)
-        elif isinstance(command, BuildState):
-            state = self.engine.build_state(command.k)
-            log.info("runtime state built", k=state.k, build_seconds=round(state.build_seconds, 4))
-        elif isinstance(command, Stop):
-            self._stopped = True
-        else:
-            return self.controller.apply(command)
+        match command:
+            case Submit(request, on_output):
+                # Checked at submit (`submit`): the engine thread only queues it.
+                self._callbacks[request.id] = on_output
+                self.engine.enqueue(request)
+            case Cancel(request_id):
+                if request_id in self._callbacks:
+                    self.engine.cancel(request_id)
+            case CancelAll():
+                for request_id in self._callbacks:
+                    self.engine.cancel(request_id)
+            case BuildState(k):
+                state = self.engine.build_state(k)
+                log.info("runtime state built", k=state.k, build_seconds=round(state.build_seconds, 4))
+            case Stop():
+                self._stopped = True
+            case SetParams() | Pin() | Unpin() | Force():
+                return self.controller.apply(command)
         return self.controller.ack()
 
     def _finished(self, request_id: str) -> OutputCallback | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine import native
+from engine.native import forward as kernels
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     holds thousands of tokens. Instead each token goes to a bucket by how far below the row's
     largest it lies; the buckets above the one where the mass reaches top_p are kept whole, and
     only that bucket's tokens (a few dozen) are ranked. On a CPU the compiled kernels do it in one
-    call (`native.nucleus`); elsewhere, tensor operators (`nucleus_by_operators`)."""
+    call (engine/native/forward.py `nucleus`); elsewhere, tensor operators (`nucleus_by_operators`)."""
     if probs.device.type == "cpu" and probs.dtype == torch.float32:
-        kept = native.nucleus(probs, top_p)
+        kept = kernels.nucleus(probs, top_p)
         if kept is not None:
             return kept
     return nucleus_by_operators(probs, top_p)

@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from engine.drafters import Proposal
+from engine.drafters.base import Proposal
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
 

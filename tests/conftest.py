@@ -115,6 +115,6 @@ def tiny_llama(tmp_path_factory):
 
 def forward_one(model, cache, slot, tokens):
     """The logits of every token in `tokens`, fed to one cache slot."""
-    from engine.model import ForwardBatch
+    from engine.model.transformer import ForwardBatch
 
     return model(ForwardBatch.build(cache, [slot], [tokens]), cache).logits[0]

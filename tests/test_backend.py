@@ -13,13 +13,11 @@ import types
 import pytest
 import torch
 
-from engine.backend import Backend, CpuBackend, CudaBackend, NpuBackend, backend_for
 from engine.checkpoint import load_checkpoint
+from engine.confidence import EVERY_DRAFT
 from engine.core import Engine
-from engine.device import DeviceError, resolve_device
-from engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
-from engine.generate import generate
-from engine.graphs import (
+from engine.device.backend import Backend, CpuBackend, CudaBackend, NpuBackend, backend_for
+from engine.device.graphs import (
     ForwardMode,
     GraphKey,
     GraphRunner,
@@ -28,7 +26,12 @@ from engine.graphs import (
     select_graph,
     static_forward,
 )
-from engine.model import ForwardBatch
+from engine.device.resolve import DeviceError, resolve_device
+from engine.drafters.base import Proposal
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.drafters.ngram import NgramDrafter
+from engine.generate import generate
+from engine.model.transformer import ForwardBatch
 from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, save_tiny, tiny_hf_model, tiny_pair
@@ -140,7 +143,7 @@ def test_compile_is_never_allowed_on_npu():
 def test_engine_on_cpu_captures_nothing(pair):
     target, draft = pair
     engine = Engine(target, DraftModelDrafter(draft, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [0, 3])
-    assert engine.backend.name == "cpu" and engine.graph_runner is None and engine.draft_graph_runner is None
+    assert engine.backend.name == "cpu" and engine.graph_runner is None and engine.drafter.graph_runner is None
     assert engine.graph_captures == 0
     assert all(s.graphs is None and s.memory_bytes == 0 for s in engine.states.values())
     assert engine.drafter.graphs is None
@@ -297,13 +300,14 @@ def test_greedy_through_graphs_equals_target_only_for_every_k(pair, batch_size):
     expected = reference(target, prompts, params)
     for k in STEPS:
         drafter = DraftModelDrafter(draft, batch_size, MAX_SEQ_LEN)
-        engine = Engine(target, drafter, batch_size, MAX_SEQ_LEN, STEPS, initial_k=k, backend=FakeGraphBackend())
+        engine = Engine(target, drafter, batch_size, MAX_SEQ_LEN, STEPS, backend=FakeGraphBackend())
         requests = [Request(tuple(p), params) for p in prompts]
-        outputs = engine.run_until_done(requests)
+        outputs = engine.run_until_done(requests, k)
         assert [outputs[r.id] for r in requests] == expected, f"k={k}"
-        assert engine.graph_runner.replays == engine.state.stats.rounds and engine.graph_runner.eager_runs == 0
+        stats = engine.states[k].stats
+        assert engine.graph_runner.replays == stats.rounds and engine.graph_runner.eager_runs == 0
         if k:
-            assert engine.draft_graph_runner.replays > 0 and engine.state.stats.drafts_proposed > 0
+            assert drafter.graph_runner.replays > 0 and stats.drafts_proposed > 0
 
 
 def test_states_own_their_graphs_and_switching_captures_nothing(pair):
@@ -326,12 +330,11 @@ def test_states_own_their_graphs_and_switching_captures_nothing(pair):
     outputs = {r.id: [] for r in requests}
     ks = iter(STEPS * 20)
     while engine.has_work:
-        engine.select(next(ks))
-        for out in engine.step().outputs:
+        for out in engine.step(next(ks)).outputs:
             outputs[out.request_id].extend(out.new_tokens)
     assert [outputs[r.id] for r in requests] == expected
     assert engine.graph_captures == captured
-    assert engine.graph_runner.replays > 0 and engine.draft_graph_runner.replays > 0
+    assert engine.graph_runner.replays > 0 and drafter.graph_runner.replays > 0
 
 
 def test_batches_beyond_the_largest_bucket_run_eagerly_and_stay_lossless(pair):
@@ -345,7 +348,7 @@ def test_batches_beyond_the_largest_bucket_run_eagerly_and_stay_lossless(pair):
     outputs = engine.run_until_done(requests)
     assert [outputs[r.id] for r in requests] == [full[:n] for full, n in zip(expected, lengths)]
     assert engine.graph_runner.eager_runs > 0 and engine.graph_runner.replays > 0
-    assert engine.draft_graph_runner.eager_runs > 0 and engine.draft_graph_runner.replays > 0
+    assert drafter.graph_runner.eager_runs > 0 and drafter.graph_runner.replays > 0
 
 
 @pytest.mark.parametrize("kind", ["draft_model", "ngram"])
@@ -353,7 +356,7 @@ def test_sampled_requests_run_through_graphs_with_either_drafter(pair, kind):
     target, draft = pair
     drafter = DraftModelDrafter(draft, 2, MAX_SEQ_LEN) if kind == "draft_model" else NgramDrafter(1, 3)
     engine = Engine(target, drafter, 2, MAX_SEQ_LEN, [0, 3], backend=FakeGraphBackend())
-    assert (engine.draft_graph_runner is None) == (kind == "ngram")
+    assert (getattr(drafter, "graph_runner", None) is None) == (kind == "ngram")
     greedy = Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=30, ignore_eos=True))
     sampled = Request(tuple(PROMPTS[1]), SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True))
     outputs = engine.run_until_done([greedy, sampled])
@@ -367,8 +370,8 @@ def test_sampled_requests_run_through_graphs_with_either_drafter(pair, kind):
 def feature_drafter(kind: str, model, batch_size: int, window: int | None = None):
     """An untrained EAGLE-3 head or DFlash drafter (`kind`) beside the target `model`, attending
     within a sliding `window` if given."""
-    from engine.dflash import DFlashDrafter, HybridDFlashDrafter
-    from engine.eagle3 import Eagle3Drafter, HybridEagle3Drafter
+    from engine.drafters.dflash import DFlashDrafter, HybridDFlashDrafter
+    from engine.drafters.eagle3 import Eagle3Drafter, HybridEagle3Drafter
     from tests.test_dflash import dflash_for
     from tests.test_eagle3 import head_for
 
@@ -471,7 +474,7 @@ def test_a_replayed_greedy_chain_drafts_what_the_step_path_does_and_padding_touc
         before = graphed.cache.k.clone()
         replayed, stepped = [Proposal([]) for _ in slots], [Proposal([]) for _ in slots]
         assert graphed.graph_chains(seqs, ks, list(range(len(slots))), replayed)
-        eager.chains(seqs, ks, list(range(len(slots))), stepped)
+        eager.chains(seqs, ks, list(range(len(slots))), stepped, EVERY_DRAFT)
         assert [p.tokens for p in replayed] == [p.tokens for p in stepped]
         assert [len(p.tokens) for p in replayed] == ks
         written = changed_entries(before, graphed.cache.k)
@@ -569,8 +572,8 @@ def test_a_feature_drafter_in_bfloat16_rotates_by_the_exact_angle(kind):
     """On an accelerator the drafters run in bfloat16 (CPU keeps float32, so nothing else here
     would notice): their RoPE angles must still be computed in float32, or keys far into a prompt
     turn by whole radians and the drafts stop matching."""
-    from engine.dflash import load_dflash
-    from engine.eagle3 import load_eagle3
+    from engine.model.dflash import load_dflash
+    from engine.model.eagle3 import load_eagle3
 
     target = load_checkpoint(DEFAULT_TARGET, "cpu", "float32")
     load = load_dflash if kind == "dflash" else load_eagle3
@@ -602,7 +605,7 @@ def default_pair_cuda():
 
 
 def code_requests(target, count: int, max_tokens: int) -> list[Request]:
-    from bench.prompts import code_prompts
+    from tools.corpus import code_prompts
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return [Request(tuple(target.tokenizer.encode(p).ids[-200:]), params) for p in code_prompts(count, seed=3)]
@@ -635,7 +638,7 @@ def test_cuda_graphs_greedy_equals_eager_for_every_k(default_pair_cuda, batch_si
             outputs = engine.run_until_done(requests)
             results.append([outputs[r.id] for r in requests])
             if graphs:
-                assert engine.graph_runner.replays > 0 and engine.states[k].memory_bytes >= 0
+                assert engine.graph_runner.replays > 0 and engine.states[k].graphs.graphs
         assert results[1] == results[0], f"k={k} batch={batch_size}"
 
 
@@ -645,8 +648,10 @@ def test_cuda_feature_drafters_through_graphs_equal_eager(default_pair_cuda, kin
     """The shipped EAGLE-3 head and DFlash drafter: chain steps or blocks replayed from graphs
     (k switched every round) give the eager engine's output, past the drafters' 256-position
     window (200-token prompts and 96 new tokens)."""
-    from engine.dflash import DFlashDrafter, load_dflash
-    from engine.eagle3 import Eagle3Drafter, load_eagle3
+    from engine.drafters.dflash import DFlashDrafter
+    from engine.drafters.eagle3 import Eagle3Drafter
+    from engine.model.dflash import load_dflash
+    from engine.model.eagle3 import load_eagle3
 
     target, _ = default_pair_cuda
     models = DEFAULT_TARGET.parent
@@ -663,8 +668,7 @@ def test_cuda_feature_drafters_through_graphs_equal_eager(default_pair_cuda, kin
             engine.add_request(request)
         ks = iter(CUDA_STEPS * 100)
         while engine.has_work:
-            engine.select(next(ks))
-            for out in engine.step().outputs:
+            for out in engine.step(next(ks)).outputs:
                 outputs[out.request_id].extend(out.new_tokens)
         results.append([outputs[r.id] for r in requests])
         if graphs:  # an EAGLE-3 head's greedy chains and extends replay; its step graphs serve sampled ones
@@ -683,26 +687,6 @@ def test_cuda_switching_state_captures_nothing(default_pair_cuda):
         engine.add_request(request)
     ks = iter(CUDA_STEPS * 100)
     while engine.has_work:
-        engine.select(next(ks))
-        engine.step()
+        engine.step(next(ks))
     assert engine.graph_captures == captured
-    assert engine.graph_runner.replays > 0 and engine.draft_graph_runner.replays > 0
-
-
-@needs_cuda
-def test_cuda_round_time_eager_against_graphs(default_pair_cuda):
-    """Not an assertion: bench/graphs.py is the measurement; this prints the same ratio."""
-    target, draft = default_pair_cuda
-    k = 3
-    times = {}
-    for graphs in (False, True):
-        engine = cuda_engine(target, draft, 1, k, graphs)
-        engine.run_until_done(code_requests(target, 1, 16))  # warm-up
-        stats = engine.state.stats
-        rounds, seconds = stats.rounds, stats.draft_seconds + stats.verify_seconds
-        engine.run_until_done(code_requests(target, 2, 96))
-        times[graphs] = (stats.draft_seconds + stats.verify_seconds - seconds) / (stats.rounds - rounds)
-    print(
-        f"\nk={k} batch 1 round: eager {times[False] * 1e3:.2f} ms, graphs {times[True] * 1e3:.2f} ms, "
-        f"{times[False] / times[True]:.2f}x"
-    )
+    assert engine.graph_runner.replays > 0 and engine.drafter.graph_runner.replays > 0

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench.ceiling import main as ceiling_main
+from bench.side_by_side import run_side_by_side
 from bench.spec import main as spec_main
-from bench.spec import run_side_by_side
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
 from engine.sampling import SamplingParams
@@ -89,7 +89,7 @@ def test_headroom_replays_each_way_of_choosing_k_on_the_same_kept_drafts():
 def test_headroom_measures_keep_chances_from_the_draft_against_the_target(tmp_path, capsys):
     from bench.headroom import keep_chances
     from bench.headroom import main as headroom_main
-    from bench.spec import read_workload
+    from bench.workload import read_workload
     from engine.checkpoint import load_checkpoint
 
     lines = [
@@ -132,8 +132,8 @@ def test_bench_spec_without_a_config_runs_what_the_daemon_runs():
     """The default mode of the default config, built by the bench, is the engine the daemon builds
     from the shipped config.toml: the same models, drafter, runtime states and policy."""
     from bench import spec
+    from control.assemble import build_controller, load_models
     from control.config import load_config
-    from daemon.runtime import build_controller, load_models
 
     args = spec.make_parser().parse_args(["--workload", "any.jsonl"])
     snapshot = spec.bench_snapshot(args)
@@ -232,13 +232,14 @@ def test_modes_side_by_side_take_turns_at_going_first():
 
 def test_the_kernels_bench_says_whether_another_build_gives_the_same_logits(tmp_path, monkeypatch):
     from bench.kernels import build, same_logits
-    from engine import native
+    from engine.native.build import SOURCE, library, problem
+    from engine.native.forward import NativeForward
     from tests.conftest import DEFAULT_TARGET
 
-    if native.library() is None:
-        pytest.skip(f"no compiled forward here: {native.problem()}")
+    if library() is None:
+        pytest.skip(f"no compiled forward here: {problem()}")
     monkeypatch.setenv("ADASPEC_CACHE_DIR", str(tmp_path / "cache"))  # the two builds stay in the test's folder
-    source = native.SOURCE.read_text()
+    source = SOURCE.read_text()
     scale = "const float scale = 1.0f / sqrtf((float)dim);"
     assert scale in source
     copies = {"same": source, "changed": source.replace(scale, scale.replace("1.0f", "1.01f"))}
@@ -247,13 +248,14 @@ def test_the_kernels_bench_says_whether_another_build_gives_the_same_logits(tmp_
     for name, text in copies.items():
         (tmp_path / f"{name}.c").write_text(text)
         other = load_checkpoint(DEFAULT_TARGET, dtype="bfloat16").model
-        other.native = native.NativeForward(other, build(tmp_path / f"{name}.c"))
+        other.native = NativeForward(other, build(tmp_path / f"{name}.c"))
         agrees[name] = same_logits(checkout, other)
     assert agrees == {"same": True, "changed": False}
 
 
 def test_a_workload_or_mode_the_bench_cannot_run_is_named(tmp_path):
-    from bench.spec import mode_snapshot, read_workload
+    from bench.spec import mode_snapshot
+    from bench.workload import read_workload
     from control.config import load_config
     from tests.conftest import ROOT
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import native
 from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.config import CheckpointError, inspect_checkpoint
-from engine.device import DeviceError, resolve_device
+from engine.device.resolve import DeviceError, resolve_device
 from engine.generate import main as generate_main
-from engine.model import ForwardBatch, Linear
+from engine.model.config import CheckpointError, inspect_checkpoint
+from engine.model.transformer import ForwardBatch, Linear
+from engine.native.build import library, problem
 from tests.conftest import DEFAULT_TARGET, save_tiny, tiny_hf_model
 
 
@@ -110,7 +110,7 @@ def test_the_model_runs_in_the_dtype_asked_for(tiny_dir, native_forward):
     logits = logits_of(bf16, [3, 4, 5])
     # The compiled forward widens bfloat16 weights and computes in float32; PyTorch's in bfloat16.
     compiled = bf16.model.native is not None
-    assert compiled == (native_forward and native.library() is not None)
+    assert compiled == (native_forward and library() is not None)
     assert logits.dtype == (torch.float32 if compiled else torch.bfloat16)
     torch.testing.assert_close(logits.float(), logits_of(load_checkpoint(tiny_dir), [3, 4, 5]), atol=0.05, rtol=0.05)
 
@@ -131,7 +131,7 @@ def test_unknown_device_is_rejected():
         resolve_device("tpu")
 
 
-@pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.problem()}")
+@pytest.mark.skipif(library() is None, reason=f"no compiled kernels: {problem()}")
 def test_cpu_float32_checkpoints_run_the_compiled_forward_with_the_same_logits(tiny_dir):
     checkpoint = load_checkpoint(tiny_dir)
     assert checkpoint.model.native is not None

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.prompts import code_prompts, held_out_files
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter
+from engine.drafters.draft_model import DraftModelDrafter
 from engine.generate import generate
-from engine.model import ForwardBatch
+from engine.model.transformer import ForwardBatch
 from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT
+from tools.corpus import code_prompts, held_out_files
 
 # Set from measurement (see models/README.md), with a margin for the evaluation sample.
 TARGET_HELD_OUT_LOSS_BOUND = 4.2  # measured 3.73 on this sample, 3.81 in the training report
@@ -87,7 +87,7 @@ def test_the_draft_agrees_with_the_target_on_held_out_code(target, draft):
     prompts = [tuple(target.tokenizer.encode(p).ids) for p in code_prompts(4, seed=0)]
     engine = Engine(target, DraftModelDrafter(draft, 4, 2048), 4, 2048, [4])
     engine.run_until_done(Request(p, SamplingParams(max_tokens=48)) for p in prompts)
-    stats = engine.state.stats
+    stats = engine.states[4].stats
     assert stats.drafts_accepted / stats.proposed_at[0] >= 1.5  # accepted drafts per round, of 4
 
 
@@ -102,15 +102,16 @@ def serve_code_losslessly(target, drafter):
     """Two held-out code prompts served together at k = 3: target-only's output. The state's stats."""
     prompts = [target.tokenizer.encode(p).ids[-200:] for p in code_prompts(2, seed=5)]
     params = SamplingParams(max_tokens=32)
-    engine = Engine(target, drafter, 2, 512, [3], initial_k=3)
+    engine = Engine(target, drafter, 2, 512, [3])
     requests = [Request(tuple(p), params) for p in prompts]
     outputs = engine.run_until_done(requests)
     assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, prompts, params)]
-    return engine.state.stats
+    return engine.states[3].stats
 
 
 def test_the_shipped_dflash_drafter_fits_the_target_and_serves_it_losslessly(target):
-    from engine.dflash import DFlashDrafter, load_dflash
+    from engine.drafters.dflash import DFlashDrafter
+    from engine.model.dflash import load_dflash
 
     dflash = load_dflash(ROOT / "models" / "dflash", target.model)
     assert dflash.config.target_layer_ids == (1, 3, 5) and dflash.config.block_size == 8
@@ -119,7 +120,8 @@ def test_the_shipped_dflash_drafter_fits_the_target_and_serves_it_losslessly(tar
 
 
 def test_the_shipped_eagle3_head_fits_the_target_and_serves_it_losslessly(target):
-    from engine.eagle3 import Eagle3Drafter, load_eagle3
+    from engine.drafters.eagle3 import Eagle3Drafter
+    from engine.model.eagle3 import load_eagle3
 
     head = load_eagle3(ROOT / "models" / "eagle3", target.model)
     assert head.taps == (1, 3, 4) and head.config.draft_vocab_size == 2048

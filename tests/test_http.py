@@ -22,8 +22,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.chat import ChatTemplate, ChatTemplateError
 from daemon.text import TextStream
+from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.generate import generate
 from engine.sampling import SamplingParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import CacheFullError
-from engine.model import ForwardBatch
+from engine.model.kv_cache import CacheFullError
+from engine.model.transformer import ForwardBatch
 from tests.conftest import forward_one
 
 

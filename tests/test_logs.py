@@ -1,4 +1,4 @@
-"""Logging (daemon/logs.py): JSON lines or console, levels changed at run time, journald."""
+"""Logging (control/logs.py): JSON lines or console, levels changed at run time, journald."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from daemon import logs
+from control import logs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def test_journal_priority_prefix(restore_logging: None, tmp_path: Path, monkeypa
 
 def test_auto_format_writes_json_to_a_non_tty_stderr() -> None:
     code = (
-        "from daemon.logs import configure_logging, get_logger, set_level\n"
+        "from control.logs import configure_logging, get_logger, set_level\n"
         "configure_logging()\n"
         "log = get_logger('adaspec.sub')\n"
         "log.info('one', n=1)\n"

@@ -10,7 +10,7 @@ import pytest
 
 from engine.controller import Controller
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter
+from engine.drafters.draft_model import DraftModelDrafter
 from engine.generate import generate
 from engine.loop import EngineLoop
 from engine.request import Request

@@ -1,4 +1,4 @@
-"""The compiled CPU forward (engine/kernels.c): a token's logits are the same bits whatever shares its
+"""The compiled CPU forward (engine/native/kernels.c): a token's logits are the same bits whatever shares its
 forward, the library is built once per machine, and without a compiler models fall back to PyTorch
 operators. Its agreement with transformers on every family is in tests/test_parity.py."""
 
@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import native
 from engine.checkpoint import load_checkpoint
-from engine.model import Captured, ForwardBatch, side_by_side
+from engine.model.transformer import Captured, ForwardBatch, side_by_side
+from engine.native.build import library, problem
+from engine.native.forward import NativeForward
+from engine.native.weights import int8_rows
 from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, save_tiny, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.problem()}")
+pytestmark = pytest.mark.skipif(library() is None, reason=f"no compiled kernels: {problem()}")
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +94,8 @@ def test_int8_weights_serve_the_logits_of_their_dequantized_values_at_a_quarter_
     logits of the float32 weights those values stand for, but for the order of operations, and a
     verify (wide enough that its panels are widened once) is still exact."""
     draft = load_checkpoint(DEFAULT_DRAFT, dtype="float32")
-    lib = native.library()
-    int8 = native.NativeForward(draft.model, lib, linears=torch.int8)
+    lib = library()
+    int8 = NativeForward(draft.model, lib, linears=torch.int8)
     assert all(p.dtype in (torch.int8, torch.float32) for p in int8.weights.kept)
     linear_bytes = sum(p.numel() for p in int8.weights.kept if p.dtype == torch.int8)
     assert linear_bytes * 4 == sum(p.numel() * 4 for p in draft.model.native.weights.kept if p.dim() == 3)
@@ -102,7 +104,7 @@ def test_int8_weights_serve_the_logits_of_their_dequantized_values_at_a_quarter_
     for name, module in reference.named_modules():
         if isinstance(module, torch.nn.Linear):
             source = draft.model.embed_tokens if name == "lm_head" else draft.model.get_submodule(name)
-            values, scale = native.int8_rows(source.weight)
+            values, scale = int8_rows(source.weight)
             assert values.dtype == torch.int8 and values.abs().amax() == 127
             module.weight = torch.nn.Parameter(values.float() * scale[:, None])
             module.packed = None  # packed from the weight it replaces
@@ -137,7 +139,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_the_library_is_built_once_into_the_cache_directory(tmp_path):
-    code = "from engine import native; lib = native.library(); print(lib is not None, native.problem())"
+    code = "from engine.native.build import library, problem; lib = library(); print(lib is not None, problem())"
     first = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path))
     assert first.stdout.split()[0] == "True", first.stderr
     [built] = tmp_path.glob("kernels-*.so")
@@ -249,3 +251,39 @@ def test_a_sliding_window_past_whole_key_panels_gives_the_operators_logits_and_a
             steps = torch.stack([forward(model, cache, [slot], [[token]]).logits[0, 0] for token in drafts])
             assert torch.equal(logits[0], steps)
     assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_the_structures_python_reads_from_the_header_are_laid_out_as_the_compiler_lays_them(tmp_path):
+    """engine/native/abi.py makes its ctypes structures from kernels.h: every field sits at the
+    offset, and every structure has the size, that the C compiler gives them."""
+    import ctypes
+    import shutil
+
+    from engine.native.abi import HEADER, STRUCTS
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    lines = [f'#include "{HEADER}"', "#include <stddef.h>", "#include <stdio.h>", "int main(void) {"]
+    for name, struct in STRUCTS.items():
+        lines.append(f'    printf("{name} %zu\\n", sizeof({name}));')
+        for field, _ in struct._fields_:
+            lines.append(f'    printf("{name}.{field} %zu\\n", offsetof({name}, {field}));')
+    (tmp_path / "layout.c").write_text("\n".join([*lines, "    return 0;", "}"]) + "\n")
+    subprocess.run([compiler, "-o", str(tmp_path / "layout"), str(tmp_path / "layout.c")], check=True)
+    printed = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout
+    expected = {}
+    for name, struct in STRUCTS.items():
+        expected[name] = ctypes.sizeof(struct)
+        for field, _ in struct._fields_:
+            expected[f"{name}.{field}"] = getattr(struct, field).offset
+    assert dict((key, int(value)) for key, value in (line.split() for line in printed.splitlines())) == expected
+    assert {"Linear", "Layer", "Model", "Cache", "Batch", "Context"} <= set(STRUCTS)
+
+
+def test_every_function_the_header_declares_gets_its_argument_types():
+    from engine.native.abi import FUNCTIONS
+
+    lib = library()
+    declared = {"adaspec_forward": 3, "adaspec_eagle3_chain": 19, "adaspec_nucleus": 5}
+    assert {name: len(FUNCTIONS[name]) for name in declared} == declared
+    for name, argtypes in FUNCTIONS.items():
+        assert getattr(lib, name).argtypes == argtypes

@@ -7,8 +7,8 @@ import torch
 
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
-from engine.kv_cache import KVCache
-from engine.model import PACK_MIN_PADDING, ForwardBatch
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import PACK_MIN_PADDING, ForwardBatch
 from engine.sampling import SamplingParams
 from tests.conftest import save_tiny, tiny_hf_model
 
@@ -32,7 +32,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=[(f, path) for f in FAMILIES for path in ("compiled", "pytorch")], ids="-".join)
 def pair(request, tmp_path_factory):
-    """transformers' model and ours, on the compiled CPU forward (engine/native.py) or PyTorch's."""
+    """transformers' model and ours, on the compiled CPU forward (engine/native/) or PyTorch's."""
     name, forward = request.param
     settings = dict(FAMILIES[name])
     family = settings.pop("family")

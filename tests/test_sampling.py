@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine import native
 from engine.generate import generate
+from engine.native.build import library, problem
 from engine.sampling import SamplingParams, nucleus, nucleus_by_operators, sample, target_probs
 from tests.conftest import forward_one
 
@@ -38,8 +38,8 @@ def test_top_p_keeps_the_smallest_prefix_of_the_sorted_vocabulary(top_p, spread,
     """The nucleus is what sorting the whole vocabulary and cutting where the mass reaches top_p
     gives, also where it holds most of a flat vocabulary (more than the first tokens looked at):
     from the compiled kernels (what target_probs uses on a CPU) and from tensor operators."""
-    if by == "kernels" and native.library() is None:
-        pytest.skip(f"no compiled kernels: {native.problem()}")
+    if by == "kernels" and library() is None:
+        pytest.skip(f"no compiled kernels: {problem()}")
     torch.manual_seed(int(spread * 10))
     logits = torch.randn(3, 8192) * spread
     probs = torch.softmax(logits, -1)
@@ -55,7 +55,7 @@ def test_top_p_keeps_the_smallest_prefix_of_the_sorted_vocabulary(top_p, spread,
     assert torch.allclose(got, expected, atol=1e-7)
 
 
-@pytest.mark.skipif(native.library() is None, reason="no compiled kernels")
+@pytest.mark.skipif(library() is None, reason="no compiled kernels")
 def test_the_compiled_top_p_keeps_zeros_out_and_cuts_ties_by_mass():
     """Tokens of probability 0 (masked by top-k or outside a draft vocabulary) are never kept, and
     where top_p falls among equally likely tokens both filters keep as many of them."""

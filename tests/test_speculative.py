@@ -13,9 +13,10 @@ from torch import nn
 
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
-from engine.drafters import DraftModelDrafter, HybridDrafter, Int8Linear, LookupHistory, NgramDrafter
+from engine.drafters.draft_model import DraftModelDrafter, HybridDrafter, Int8Linear
+from engine.drafters.ngram import LookupHistory, NgramDrafter
 from engine.generate import generate
-from engine.model import ForwardBatch
+from engine.model.transformer import ForwardBatch
 from engine.request import Request, Sequence
 from engine.sampling import SamplingParams, target_probs
 from tests.conftest import DEFAULT_DRAFT, tiny_pair
@@ -46,13 +47,13 @@ def test_greedy_output_equals_target_only_for_every_k(pair, kind, batch_size):
     expected = reference(target, prompts, params)
     accepted = 0
     for k in STEPS:
-        engine = Engine(target, make_drafter(kind, draft, batch_size), batch_size, MAX_SEQ_LEN, STEPS, initial_k=k)
+        engine = Engine(target, make_drafter(kind, draft, batch_size), batch_size, MAX_SEQ_LEN, STEPS)
         requests = [Request(tuple(p), params) for p in prompts]
-        outputs = engine.run_until_done(requests)
+        outputs = engine.run_until_done(requests, k)
         assert [outputs[r.id] for r in requests] == expected, f"k={k}"
-        accepted += engine.state.stats.drafts_accepted
+        accepted += engine.states[k].stats.drafts_accepted
         if k:
-            assert engine.state.stats.drafts_proposed > 0
+            assert engine.states[k].stats.drafts_proposed > 0
     assert accepted > 0  # speculation really happened, it did not just fall back to decoding
 
 
@@ -80,8 +81,9 @@ def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, kind):
     chooser = random.Random(5)
     seen = set()
     while engine.has_work:
-        seen.add(engine.select(chooser.choice(STEPS)).k)
-        for out in engine.step().outputs:
+        result = engine.step(chooser.choice(STEPS))
+        seen.add(result.k)
+        for out in result.outputs:
             outputs[out.request_id].extend(out.new_tokens)
     assert [outputs[r.id] for r in requests] == expected
     assert seen == set(STEPS)
@@ -99,7 +101,7 @@ def test_requests_arriving_mid_stream_are_lossless_and_reuse_slots(pair):
     while pending or engine.has_work:
         if pending:
             engine.add_request(pending.pop(0))  # one new arrival per boundary
-        result = engine.step()
+        result = engine.step(3)
         assert result.batch_size <= 2
         for out in result.outputs:
             outputs[out.request_id].extend(out.new_tokens)
@@ -121,7 +123,7 @@ def test_eos_and_max_tokens_inside_an_accepted_run_stop_exactly(pair):
             requests = [Request(tuple(PROMPTS[2]), params), Request(tuple(PROMPTS[0]), params)]
             outputs = engine.run_until_done(requests)  # batch size 1: the second reuses the slot
             assert [outputs[r.id] for r in requests] == expected
-            assert engine.state.stats.drafts_accepted == engine.state.stats.drafts_proposed
+            assert engine.states[7].stats.drafts_accepted == engine.states[7].stats.drafts_proposed
     finally:
         target.eos_token_ids = frozenset()
     assert expected[0][-1] == eos and len(expected[0]) == free_run.index(eos) + 1
@@ -148,8 +150,8 @@ def test_caches_after_rollback_equal_a_fresh_prefill(pair, kind):
     for prompt in PROMPTS:
         engine.add_request(Request(tuple(prompt), params))
     for _ in range(6):
-        engine.step()
-    stats = engine.state.stats
+        engine.step(5)
+    stats = engine.states[5].stats
     assert 0 < stats.drafts_accepted < stats.drafts_proposed  # there were rollbacks
     for seq in engine.running:
         copies = ((target.model, engine.cache, seq.slot), (draft.model, drafter.cache, seq.draft_slot))
@@ -256,7 +258,7 @@ def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pai
         for s in range(draws)
     ]
     outputs = engine.run_until_done(requests)
-    stats = engine.state.stats
+    stats = engine.states[2].stats
     assert 0 < stats.drafts_accepted < stats.drafts_proposed
     assert_follows_marginals(outputs, requests, marginals)
 
@@ -267,14 +269,14 @@ def test_state_for_a_new_k_is_built_between_rounds_and_selected_at_a_boundary(pa
     assert sorted(engine.states) == [1, 3]
     assert all(s.build_seconds > 0 for s in engine.states.values())
     with pytest.raises(KeyError, match="no runtime state for draft length 4"):
-        engine.select(4)
+        engine.step(4)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     request = Request(tuple(PROMPTS[0]), params)
     engine.add_request(request)
-    engine.step()
+    engine.step(3)
     engine.build_state(4)
-    assert engine.select(4).k == 4
-    out = engine.step()
+    assert engine.state(4).k == 4
+    out = engine.step(4)
     assert out.k == 4 and out.outputs[0].drafts_proposed == 4
     with pytest.raises(ValueError, match="outside 0..8"):
         engine.build_state(9)
@@ -287,12 +289,12 @@ def test_cancel_frees_the_slot_at_the_next_boundary(pair):
     short = Request(tuple(PROMPTS[1]), SamplingParams(max_tokens=10, ignore_eos=True))
     engine.add_request(long)
     engine.add_request(short)
-    engine.step()
+    engine.step(3)
     engine.cancel(long.id)
     outputs = {long.id: [], short.id: []}
     reasons = {}
     while engine.has_work:
-        for out in engine.step().outputs:
+        for out in engine.step(3).outputs:
             outputs[out.request_id].extend(out.new_tokens)
             if out.finish_reason:
                 reasons[out.request_id] = out.finish_reason
@@ -345,7 +347,7 @@ def test_greedy_stays_lossless_when_the_chains_of_a_batch_are_ragged(pair, opera
         engine.add_request(r)
     chain_lengths = []
     while engine.has_work:
-        result = engine.step()
+        result = engine.step(7)
         chain_lengths.append(sorted(o.drafts_proposed for o in result.outputs if o.verified))
         for out in result.outputs:
             outputs[out.request_id].extend(out.new_tokens)
@@ -387,8 +389,8 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match_as_the_con
 def test_the_ngram_drafter_forgets_a_sequence_that_left(pair):
     target, _ = pair
     drafter = NgramDrafter(1, 3)
-    engine = Engine(target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_k=3)
-    engine.run_until_done([Request(tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS])
+    engine = Engine(target, drafter, 2, MAX_SEQ_LEN, STEPS)
+    engine.run_until_done([Request(tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS], 3)
     assert drafter.indexes == {}
 
 
@@ -413,12 +415,12 @@ def test_an_int8_draft_of_a_bfloat16_checkpoint_drafts_into_a_cache_of_its_own_d
     bf16_target, bf16_draft = (load_checkpoint(c.path, dtype="bfloat16") for c in (target, draft))
     drafter = DraftModelDrafter(bf16_draft, 2, MAX_SEQ_LEN, quantize=True)
     assert drafter.cache.k[0].dtype == torch.float32  # the int8 layers compute in float32
-    engine = Engine(bf16_target, drafter, 2, MAX_SEQ_LEN, STEPS, initial_k=3)
+    engine = Engine(bf16_target, drafter, 2, MAX_SEQ_LEN, STEPS)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
-    outputs = engine.run_until_done(requests)
+    outputs = engine.run_until_done(requests, 3)
     assert [len(outputs[r.id]) for r in requests] == [12, 12]
-    assert engine.state.stats.drafts_accepted > 0
+    assert engine.states[3].stats.drafts_accepted > 0
 
 
 def test_the_hybrid_drafter_proposes_a_greedy_sequences_own_continuation_without_the_model(pair):
@@ -496,12 +498,12 @@ def test_an_earlier_sequence_is_looked_up_where_it_matches_longer_than_the_own_c
 
 def test_a_seed_repeats_its_text_at_a_fixed_k_whatever_the_lookup_history_holds(pair):
     target, _ = pair
-    engine = Engine(target, NgramDrafter(1, 3, history=4096), 4, MAX_SEQ_LEN, STEPS, initial_k=3)
+    engine = Engine(target, NgramDrafter(1, 3, history=4096), 4, MAX_SEQ_LEN, STEPS)
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
     texts = []
     for _ in range(2):  # the second time, the history holds the first one's text
         request = Request(tuple(PROMPTS[2]), params)
-        texts.append(engine.run_until_done([request])[request.id])
+        texts.append(engine.run_until_done([request], 3)[request.id])
     assert texts[0] == texts[1]
 
 
@@ -510,7 +512,7 @@ def test_a_repeated_request_drafts_what_the_first_one_wrote_and_stays_lossless(p
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     expected = reference(target, PROMPTS, params)
     drafter = HybridDrafter(draft, 4, MAX_SEQ_LEN, min_n=1, max_n=3, history=4096)
-    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, STEPS, initial_k=7)
+    engine = Engine(target, drafter, 4, MAX_SEQ_LEN, STEPS)
     rounds = []
     for _ in range(2):
         requests = [Request(tuple(p), params) for p in PROMPTS]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.drafters import Proposal
+from engine.drafters.base import Proposal
 from engine.verify import block_keep, block_weights, residual
 
 VOCAB = 3

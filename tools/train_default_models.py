@@ -19,7 +19,6 @@ import json
 import math
 import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -30,8 +29,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import save_checkpoint  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.model import Transformer  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.transformer import Transformer  # noqa: E402
+from tools.corpus import stdlib_files  # noqa: E402
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 8192
@@ -44,18 +44,6 @@ TARGET_SHAPE = dict(
 DRAFT_SHAPE = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
-
-
-def stdlib_files() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files): every .py of the stdlib, held out if under test(s)/."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held_out = [], []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if parts[0] in ("site-packages", "dist-packages") or "__pycache__" in parts:
-            continue
-        (held_out if ("test" in parts[:-1] or "tests" in parts[:-1]) else train).append(path)
-    return train, held_out
 
 
 def read_texts(files: list[Path]) -> list[str]:

@@ -49,18 +49,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from control.arguments import above_zero, at_least  # noqa: E402
 from engine.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
-from engine.config import CheckpointError, dflash_problems  # noqa: E402
-from engine.device import DeviceError  # noqa: E402
-from engine.dflash import (  # noqa: E402
-    DFlashConfig,
-    DFlashDrafter,
-    DFlashModel,
-    default_taps,
-    load_dflash,
-    save_dflash,
+from engine.device.resolve import DeviceError  # noqa: E402
+from engine.drafters.base import Drafter  # noqa: E402
+from engine.drafters.dflash import DFlashDrafter  # noqa: E402
+from engine.model.config import (  # noqa: E402
+    CheckpointError,
+    DFlashConfig,  # noqa: E402
+    dflash_problems,
 )
-from engine.drafters import Drafter  # noqa: E402
-from engine.model import Transformer  # noqa: E402
+from engine.model.dflash import DFlashModel, default_taps, load_dflash, save_dflash  # noqa: E402
+from engine.model.transformer import Transformer  # noqa: E402
 
 
 def fits_target(problems: list[str]) -> None:
@@ -118,7 +116,7 @@ def text_files(paths: list[Path], exclude: tuple[str, ...] = ()) -> list[Path]:
 
 def default_data() -> tuple[list[Path], list[Path]]:
     """(training files, held-out files) of the standard library, as the default models had them."""
-    from train_default_models import stdlib_files  # tools/, beside this script
+    from tools.corpus import stdlib_files
 
     return stdlib_files()
 
@@ -331,12 +329,12 @@ def held_out_acceptance(target: Checkpoint, drafter: Drafter, k: int, prompts: l
     from engine.sampling import SamplingParams
 
     length = served_length(target)
-    engine = Engine(target, drafter, 1, length, [k], initial_k=k)
+    engine = Engine(target, drafter, 1, length, [k])
     params = SamplingParams(max_tokens=tokens)
     for prompt in prompts:
         ids = target.tokenizer.encode(prompt).ids[-(length - tokens - 8) :]
         engine.run_until_done([Request(tuple(ids), params)])
-    stats = engine.state.stats
+    stats = engine.states[k].stats
     return {
         "rounds": stats.rounds,
         "kept_per_round": stats.drafts_accepted / max(stats.rounds, 1),
@@ -516,8 +514,7 @@ def main(argv: list[str] | None = None) -> None:
         "wall_seconds_this_run": round(time.time() - started, 1),
     }
     if args.prompts and held_files:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from bench.prompts import code_prompts
+        from tools.corpus import code_prompts
 
         prompts = code_prompts(args.prompts, seed=args.seed + 1, files=held_files)
         if prompts:

@@ -67,9 +67,10 @@ from train_dflash import (  # noqa: E402  (tools/, beside this script)
 
 from control.arguments import above_zero, at_least  # noqa: E402
 from engine.checkpoint import load_checkpoint  # noqa: E402
-from engine.config import Eagle3Config, RopeConfig, eagle3_problems, eagle3_taps  # noqa: E402
-from engine.eagle3 import Eagle3Drafter, Eagle3Model, load_eagle3, save_eagle3  # noqa: E402
-from engine.model import Transformer  # noqa: E402
+from engine.drafters.eagle3 import Eagle3Drafter  # noqa: E402
+from engine.model.config import Eagle3Config, RopeConfig, eagle3_problems, eagle3_taps  # noqa: E402
+from engine.model.eagle3 import Eagle3Model, load_eagle3, save_eagle3  # noqa: E402
+from engine.model.transformer import Transformer  # noqa: E402
 
 
 def head_config(target: Transformer, args: argparse.Namespace) -> Eagle3Config:
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         "wall_seconds_this_run": round(time.time() - started, 1),
     }
     if args.prompts and held_files:
-        from bench.prompts import code_prompts
+        from tools.corpus import code_prompts
 
         prompts = code_prompts(args.prompts, seed=args.seed + 1, files=held_files)
         if prompts:

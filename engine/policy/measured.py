@@ -10,21 +10,13 @@ from typing import NamedTuple
 
 from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
-from engine.policy.schedule import Schedule
+from engine.policy.schedule import MAX_SPACING, START_K, WINDOW_ROUNDS, Schedule
 
 # How many times the median round of its window a round is believed to have taken: a round the
 # machine stalled in (another process held the cores) says nothing about the next one.
 STALL_FACTOR = 4.0
-# Rounds a k's rate is taken over; the most probe intervals between tries of a neighbour; how many
-# of those spacings a rate stays current after its k last ran.
-WINDOW_ROUNDS = 32
-MAX_SPACING = 64
+# How many of the most probe spacings a rate stays current after its k last ran.
 FRESH_SPACINGS = 2
-# Where a new engine starts (the nearest candidate): where drafting pays, as at batch 1, the best k
-# is a few steps above, where it loses, as at larger batches on two cores, a few steps below.
-# Chosen on the tuning half of the workload suite: from the default ladder's middle (3) a new
-# engine lost 2 points at concurrency 4 (docs/benchmarks.md).
-START_K = 2
 
 
 class Round(NamedTuple):

@@ -8,9 +8,8 @@ from collections import deque
 from collections.abc import Sequence as Seq
 
 from engine.policy.contracts import Decision, Observation, RoundProfile
-from engine.policy.measured import MAX_SPACING, START_K, WINDOW_ROUNDS
 from engine.policy.params import PolicyParams
-from engine.policy.schedule import Schedule
+from engine.policy.schedule import MAX_SPACING, START_K, WINDOW_ROUNDS, Schedule
 
 # Rounds over which what was counted at a draft position loses half its weight: the traffic may
 # change, and a position reached only by tries keeps its count for a while.

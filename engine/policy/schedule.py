@@ -8,6 +8,16 @@ from collections.abc import Sequence as Seq
 from engine.policy.contracts import Decision, Observation, RoundProfile, snap
 from engine.policy.params import PolicyParams
 
+# What the strategies that measure k (measured, positional) share. Rounds a k's seconds are taken
+# over, and the most probe intervals between tries of another k.
+WINDOW_ROUNDS = 32
+MAX_SPACING = 64
+# Where a new engine starts (the nearest candidate): where drafting pays, as at batch 1, the best k
+# is a few steps above, where it loses, as at larger batches on two cores, a few steps below.
+# Chosen on the tuning half of the workload suite: from the default ladder's middle (3) a new
+# engine lost 2 points at concurrency 4 (docs/benchmarks.md).
+START_K = 2
+
 
 class Schedule:
     """A strategy's clock. After `warmup_batches` non-empty rounds, every `update_interval`

@@ -3,21 +3,23 @@ way an engine is assembled, by the daemon, the benches and the tools alike."""
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 from control.config import ConfigSnapshot, EngineSettings
 from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.config import DFLASH_KINDS, DRAFT_MODEL_KINDS, EAGLE3_KINDS
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
-from engine.dflash import DFlashDrafter, DFlashModel, HybridDFlashDrafter, load_dflash
-from engine.drafters import Drafter, make_drafter
-from engine.eagle3 import Eagle3Drafter, Eagle3Model, HybridEagle3Drafter, load_eagle3
-from engine.graphs import default_batch_sizes
+from engine.device.graphs import default_batch_sizes
+from engine.drafters import make_drafter
+from engine.drafters.base import Drafter
+from engine.drafters.dflash import DFlashDrafter, HybridDFlashDrafter
+from engine.drafters.eagle3 import Eagle3Drafter, HybridEagle3Drafter
 from engine.loop import EngineLoop, StepObserver
+from engine.model.config import DFLASH_KINDS, DRAFT_MODEL_KINDS, EAGLE3_KINDS
+from engine.model.dflash import DFlashModel, load_dflash
+from engine.model.eagle3 import Eagle3Model, load_eagle3
 
 # Wraps each slow phase of assembling an engine, named, so that start-up can report it.
 Phase = Callable[[str], AbstractContextManager[object]]
@@ -168,7 +170,4 @@ def build_engine(
     `on_step` and `on_switch` observe every round and every change of k, on the engine thread."""
     models = load_models(snapshot, phase)
     controller = build_controller(snapshot, models, on_switch=on_switch, phase=phase)
-    # Start-up made millions of objects (torch, the models) that live as long as the process; the
-    # collector would walk them again and again, a few percent of every round's time.
-    gc.freeze()
     return EngineLoop(controller, on_step=on_step)

@@ -1,4 +1,5 @@
-"""Code prompts from the held-out part of the training corpus: the standard library's tests."""
+"""The CPython standard library as a corpus: the default models learnt it outside its tests
+(models/README.md); its tests are held out, and code prompts are cut from them."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ import sysconfig
 from pathlib import Path
 
 
-def held_out_files() -> list[Path]:
+def stdlib_files() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): every .py of the stdlib, held out if under test(s)/."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    train, held_out = [], []
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).parts
         if parts[0] in ("site-packages", "dist-packages") or "__pycache__" in parts:
             continue
-        if "test" in parts[:-1] or "tests" in parts[:-1]:
-            files.append(path)
-    return files
+        (held_out if ("test" in parts[:-1] or "tests" in parts[:-1]) else train).append(path)
+    return train, held_out
+
+
+def held_out_files() -> list[Path]:
+    """The standard library's tests: none of them was trained on."""
+    return stdlib_files()[1]
 
 
 def code_prompts(count: int, seed: int = 0, max_chars: int = 1200, files: list[Path] | None = None) -> list[str]:

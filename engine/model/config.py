@@ -178,6 +178,14 @@ def weight_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
 
 
+def stored_weights(file: Path) -> dict[str, Any]:
+    """A drafter's weights file as meta tensors of the stored shapes, read from its header alone:
+    what `check_weights` compares against a model without loading anything."""
+    import torch  # only here: reading a config must not import torch
+
+    return {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(file).items()}
+
+
 def inspect_checkpoint(path: Path) -> ModelConfig:
     """What a checkpoint directory holds, read without loading its weights: its config, once
     `config.json`, weights and `tokenizer.json` are found (CheckpointError naming what is not)."""

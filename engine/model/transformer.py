@@ -12,15 +12,14 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine import native
-from engine.config import ModelConfig, RopeConfig
-from engine.kv_cache import KVCache
-from engine.native import NativeForward
+from engine.model.config import ModelConfig, RopeConfig
+from engine.model.kv_cache import KVCache
 
 
 @dataclass
@@ -59,7 +58,7 @@ def check_fits(cache: KVCache, slots: Sequence[int], num_new: Sequence[int]) -> 
 @dataclass
 class TokenBatch:
     """Each row's new tokens and its cache slot, and nothing derived from them: all the compiled
-    CPU forward reads (engine/native.py), built for a few microseconds where a `ForwardBatch`
+    CPU forward reads (engine/native/forward.py), built for a few microseconds where a `ForwardBatch`
     takes tens. `Transformer.batch` gives one to a compiled model."""
 
     slots: list[int]
@@ -453,6 +452,12 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class CompiledForward(Protocol):
+    """A forward that replaces the operators' one (engine/native/forward.py `NativeForward`)."""
+
+    def __call__(self, batch: Batch, cache: KVCache, last_only: bool, capture: tuple[int, ...]) -> ForwardOutput: ...
+
+
 class Transformer(DerivedCopy, nn.Module):
     derived = "native"  # the compiled forward holds copies and addresses of the parameters
 
@@ -470,8 +475,9 @@ class Transformer(DerivedCopy, nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         if self.embed_tokens.weight.device.type != "meta":  # built once the weights are in place
             self.build_rope()
-        # The compiled CPU forward (engine/native.py), for inference after loading; see `use_native`.
-        self.native: NativeForward | None = None
+        # The compiled CPU forward (engine/native/), set by the loader where the kernels serve this
+        # model (engine/checkpoint.py `use_native`); dropped when the parameters move or are loaded.
+        self.native: CompiledForward | None = None
 
     def build_rope(self) -> None:
         device = self.embed_tokens.weight.device
@@ -480,17 +486,6 @@ class Transformer(DerivedCopy, nn.Module):
         angles = torch.outer(positions, inv_freq)
         self.rope_cos = angles.cos().repeat(1, 2)
         self.rope_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # see apply_rope
-
-    def use_native(self) -> bool:
-        """Run every forward through the compiled CPU kernels (engine/native.py) where they can
-        serve this model: float32 or bfloat16 weights on a CPU, with a C compiler. Moving or
-        loading the parameters afterwards turns them off again. Returns whether they are on."""
-        weight = self.embed_tokens.weight
-        if self.native is None and native.available(weight.device, weight.dtype):
-            lib = native.library()
-            assert lib is not None
-            self.native = NativeForward(self, lib)
-        return self.native is not None
 
     def batch(self, cache: KVCache, slots: Sequence[int], new_tokens: Sequence[Sequence[int]]) -> Batch:
         """The batch appending `new_tokens[i]` to cache slot `slots[i]`, as this model's forward reads it."""
@@ -528,7 +523,7 @@ class Transformer(DerivedCopy, nn.Module):
         """Embed and run every layer, writing the new keys and values into `cache`.
 
         Nothing here reads a device value back to the host, so a graph can capture it
-        (engine/graphs.py); the host-side lengths are left to the caller. Returns x packed to
+        (engine/device/graphs.py); the host-side lengths are left to the caller. Returns x packed to
         the real tokens when the batch is packed (`ForwardBatch.real`), else [B, T, D].
         """
         x = batch.pack(self.embed_tokens(batch.tokens))

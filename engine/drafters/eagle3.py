@@ -1,11 +1,6 @@
-"""EAGLE-3: a one-layer head that drafts a chain from the target's own hidden states.
+"""EAGLE-3 drafting: chains from the head (engine/model/eagle3.py) over the target's own hidden states.
 
-The target's outputs at three layers (low, middle, high) are concatenated and projected to the
-hidden size by `fc`: the feature of a position. The head's one decoder layer reads, at position
-p, the normed embedding of token p + 1 beside the normed feature of position p (its q, k and v
-map that width 2H), keeps the feature as its residual stream, and predicts token p + 2 through
-its own LM head (over a reduced draft vocabulary, mapped back by `d2t`, where the checkpoint has
-one). A chain feeds the layer's output back as the next position's feature, beside the embedding
+A chain feeds the layer's output back as the next position's feature, beside the embedding
 of the token it just drafted, as SGLang's topk = 1 EAGLE worker does.
 
 Per sequence the head keeps its own keys and values: one entry per position the target has
@@ -13,171 +8,30 @@ verified (from the target's features), then the current chain's entries past the
 by the next round. The kept positions of each verify become entries when the sequence next
 drafts (the draft-extend: a sequence served at k = 0 costs the head nothing), and the last
 one's output is already the chain's first draft.
-
-The checkpoint is a directory in the layout SpecForge and the EAGLE-3 reference write (see
-`Eagle3Config`): config.json and model.safetensors with fc, midlayer.*, norm, lm_head, and d2t
-and t2d when the draft vocabulary is reduced; or in vLLM's speculators layout, whose layer is
-layers.0.*. The embedding is the target's.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence as Seq
 from functools import partial
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from torch import Tensor, nn
+from torch import Tensor
 
-from engine import native
-from engine.backend import Backend
-from engine.config import Eagle3Config, ModelConfig, check_weights, eagle3_taps, inspect_eagle3
-from engine.drafters import DraftVocabulary, LookupFirst, Proposal, stored_weights
-from engine.graphs import CallGraphs
-from engine.kv_cache import KVCache
-from engine.model import RMSNorm, Rotary, Transformer, apply_rope, side_by_side, visible_keys
-from engine.native import NativeEagle3, Sampling
+from engine.confidence import EVERY_DRAFT, ConfidenceRule
+from engine.device.backend import Backend
+from engine.device.graphs import CallGraphs
+from engine.drafters.base import Drafter, Proposal
+from engine.drafters.ngram import LookupFirst
+from engine.model.eagle3 import Eagle3Model
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import Transformer, side_by_side, visible_keys
+from engine.native.build import available, library
+from engine.native.eagle3 import NativeEagle3, Sampling
 from engine.request import Sequence
 from engine.sampling import sample, target_probs
-
-
-class Eagle3Attention(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        width = 2 * config.hidden_size  # the embedding and the feature side by side
-        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(width, config.num_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
-
-
-class Eagle3MLP(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Eagle3Layer(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Eagle3MLP(config)
-
-
-class Eagle3Model(DraftVocabulary, nn.Module):
-    """The head's weights, named as the published checkpoints name them, and its phases: `qkv`
-    of a position's embedding and feature, then `finish` once the attention ran, then `logits`."""
-
-    def __init__(self, config: Eagle3Config, taps: tuple[int, ...]) -> None:
-        super().__init__()
-        self.config = config
-        self.taps = taps  # the target layers it reads, resolved against the target
-        self.fc = nn.Linear(len(taps) * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(config)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        if config.draft_vocab_size < config.vocab_size:
-            # Draft id d is target id d + d2t[d]; t2d marks the target ids the head can draft.
-            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        self.rotary = Rotary(config.rope, config.head_dim)
-
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and signed sin for `positions` (any shape), with a heads axis before the last."""
-        return self.rotary(positions, self.fc.weight.dtype)
-
-    def features(self, taps: Tensor) -> Tensor:
-        """The feature of the target's tapped hidden states side by side ([..., taps * H])."""
-        return self.fc(taps)
-
-    def qkv(self, embeds: Tensor, features: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values ([..., heads, D]) of positions whose next token's embedding is
-        `embeds` and whose feature is `features` ([..., H] each)."""
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(features)), dim=-1)
-        cos, sin = self.rope(positions)
-        q = apply_rope(attn.q_proj(x).unflatten(-1, (attn.heads, attn.head_dim)), cos, sin)
-        k = apply_rope(attn.k_proj(x).unflatten(-1, (attn.kv_heads, attn.head_dim)), cos, sin)
-        return q, k, attn.v_proj(x).unflatten(-1, (attn.kv_heads, attn.head_dim))
-
-    def finish(self, attended: Tensor, features: Tensor) -> Tensor:
-        """The layer's output feature from the attention's output ([..., heads, D]); the residual
-        stream is the input feature, or its norm where the head was trained so (speculators')."""
-        layer = self.midlayer
-        residual = layer.hidden_norm(features) if self.config.norm_before_residual else features
-        x = residual + layer.self_attn.o_proj(attended.flatten(-2))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
-
-    def logits(self, out: Tensor) -> Tensor:
-        """Logits over the target's vocabulary of an output feature."""
-        return self.full_vocabulary(self.draft_logits(out))
-
-    def draft_logits(self, out: Tensor) -> Tensor:
-        """Logits over the draft vocabulary (draft id d is target id `draft_to_target()[d]`)."""
-        return self.lm_head(self.norm(out))
-
-
-def save_eagle3(model: Eagle3Model, path: Path, dtype: torch.dtype | None = None) -> None:
-    """The head's directory; its float weights in `dtype` if given (the maps stay integers)."""
-    path.mkdir(parents=True, exist_ok=True)
-    raw = model.config.to_json()
-    if dtype is not None:
-        raw["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    state = {
-        k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in model.state_dict().items()
-    }
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
-
-
-def head_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A checkpoint's tensors by the names Eagle3Model gives them: the speculators layout names the
-    one decoder layer layers.0, SpecForge midlayer; a head carrying the target's embedding drops it
-    (the target's is used)."""
-    return {
-        (f"midlayer.{k[len('layers.0.') :]}" if k.startswith("layers.0.") else k): v
-        for k, v in state.items()
-        if k != "embed_tokens.weight"
-    }
-
-
-def inspect_eagle3_weights(path: Path, target: ModelConfig) -> Eagle3Config:
-    """`inspect_eagle3`, and the names and shapes of the weights, read from their file's header,
-    against the head its config describes: what loading would find wrong, without loading."""
-    config = inspect_eagle3(path, target)
-    with torch.device("meta"):
-        expected = Eagle3Model(config, eagle3_taps(config, target)).state_dict()
-    weights = path / "model.safetensors"
-    check_weights(weights, head_state(stored_weights(weights)), expected)
-    return config
-
-
-def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
-    path = Path(path)
-    config = inspect_eagle3(path, target.config)  # the config, checked against the target
-    model = Eagle3Model(config, eagle3_taps(config, target.config))
-    weights = path / "model.safetensors"
-    state = head_state(load_file(str(weights)))
-    check_weights(weights, state, model.state_dict())
-    DraftVocabulary.check_map(weights, state, config.draft_vocab_size, config.vocab_size)
-    model.load_state_dict(state)  # copied into the model's own buffers: the maps stay long and bool
-    # On a CPU the head runs in float32; elsewhere in the target's dtype (`to` casts floats only).
-    device = target.embed_tokens.weight.device
-    dtype = torch.float32 if device.type == "cpu" else target.embed_tokens.weight.dtype
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 class Extend(NamedTuple):
@@ -205,9 +59,9 @@ def place_chains(proposals: list[Proposal], rows: list[int], steps: Seq[int], dr
         proposals[i].tokens, proposals[i].trimmed = tokens, n + 1 - len(tokens)
 
 
-class Eagle3Drafter:
-    """The drafter protocol (engine/drafters.py) over an EAGLE-3 head and its own cache. Beside a
-    target on the compiled CPU kernels the head runs on them too (`native.NativeEagle3`), its
+class Eagle3Drafter(Drafter):
+    """The drafter protocol (engine/drafters/base.py) over an EAGLE-3 head and its own cache. Beside a
+    target on the compiled CPU kernels the head runs on them too (engine/native/eagle3.py), its
     linear weights in int8 with `quantize`, else in bfloat16."""
 
     name = "eagle3"
@@ -219,7 +73,7 @@ class Eagle3Drafter:
         self.target = target
         self.capture_layers: tuple[int, ...] = model.taps
         config, param = model.config, model.fc.weight
-        lib = native.library() if target.native is not None and native.available(param.device, param.dtype) else None
+        lib = library() if target.native is not None and available(param.device, param.dtype) else None
         self.native = (
             NativeEagle3(model, target.native, lib, max_seq_len + 1, int8=quantize) if lib and target.native else None
         )
@@ -241,7 +95,7 @@ class Eagle3Drafter:
         self.next_feature = torch.zeros(max_batch_size, config.hidden_size, dtype=param.dtype, device=param.device)
         # Per slot: tapped hidden states not yet entries, as (taps, row, count): row's first count.
         self.waiting: dict[int, list[tuple[Tensor, int, int]]] = {}
-        # Chain-step graphs, shared by every runtime state; set by the engine where the backend has graphs.
+        # Chain-step graphs, shared by every runtime state, captured with the first that drafts (`capture`).
         self.graphs: CallGraphs | None = None
         # Greedy chains of k drafts whole, one set per k, captured with state k (`capture_chain`).
         self.chain_graphs: dict[int, CallGraphs] = {}
@@ -498,12 +352,12 @@ class Eagle3Drafter:
         return logits
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int], floor: float = 0.0) -> list[Proposal]:
-        """Each row's chain; a greedy one stops at the first draft the head gives a probability
-        below `floor`, leaving it out: the head is under-confident (trained on the target's soft
-        distribution, its top probability is spread where the target's is), so a running product
-        of its probabilities would stop nearly every chain early. Sampled chains, and chains
-        replayed from a captured graph, run whole."""
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int], rule: ConfidenceRule = EVERY_DRAFT) -> list[Proposal]:
+        """Each row's chain; a greedy one stops at the first draft `rule` does not keep, its
+        confidence being the probability the head gave it (each draft alone: the head is
+        under-confident, trained on the target's soft distribution, so a running product of its
+        probabilities would stop nearly every chain early). Sampled chains, and chains replayed
+        from a captured graph, run whole."""
         proposals = [Proposal([]) for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
@@ -513,13 +367,13 @@ class Eagle3Drafter:
         greedy = [i for i in active if seqs[i].params.greedy]
         if self.rounds_in_one_call and extend is not None and len(greedy) == len(extend.selected) == len(active):
             # Every row greedy and caught up here: the extend and the chains in one call.
-            self.native_round(seqs, ks, active, extend, proposals, floor)
+            self.native_round(seqs, ks, active, extend, proposals, rule)
             return proposals
         if extend is not None:
             self.step(*extend, taps=True)
         if greedy and self.native is not None and self.graphs is None:
             # Greedy chains run whole in the kernels: a step from Python costs a third again of its arithmetic.
-            self.native_chains(seqs, ks, greedy, proposals, floor)
+            self.native_chains(seqs, ks, greedy, proposals, rule)
             active = [i for i in active if not seqs[i].params.greedy]
         elif greedy and self.graph_chains(seqs, ks, greedy, proposals):
             active = [i for i in active if not seqs[i].params.greedy]
@@ -530,7 +384,7 @@ class Eagle3Drafter:
                 active = [i for i in active if i not in drawn]
         if active:
             # Where chains replay from captured graphs, none stops: one a step at a time would not either.
-            self.chains(seqs, ks, active, proposals, floor if self.graphs is None else 0.0)
+            self.chains(seqs, ks, active, proposals, rule if self.graphs is None else EVERY_DRAFT)
         return proposals
 
     def native_round(
@@ -540,7 +394,7 @@ class Eagle3Drafter:
         rows: list[int],
         extend: Extend,
         proposals: list[Proposal],
-        floor: float = 0.0,
+        rule: ConfidenceRule,
     ) -> None:
         """The draft-extend and the greedy chains of seqs[rows] in one call to the compiled kernels."""
         assert self.native is not None
@@ -556,7 +410,7 @@ class Eagle3Drafter:
             self.draft_ids,
             self.next_feature,
             self.next_logits,
-            floor,
+            rule.floor,
         )
         place_chains(proposals, rows, steps, drafts)
 
@@ -566,20 +420,20 @@ class Eagle3Drafter:
         return [max(0, min(ks[i] - 1, self.cache.max_seq_len - start)) for i, start in zip(rows, starts)]
 
     def native_chains(
-        self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal], floor: float = 0.0
+        self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal], rule: ConfidenceRule
     ) -> None:
         """Greedy chains for seqs[rows] in one call to the compiled kernels, each stopping at
-        a draft of probability below `floor`."""
+        the first draft `rule` does not keep."""
         assert self.native is not None
         slots = [seqs[i].draft_slot for i in rows]
         starts = [self.cache.lengths[s] for s in slots]
         steps = self.chain_steps(ks, rows, starts)
         logits = self.next_logits[slots]
         first = self.draft_ids[logits.argmax(dim=-1)].tolist()
-        sure = (top_probability(logits) >= floor).tolist() if floor > 0 else None
+        first_kept = [rule.keeps(p) for p in top_probability(logits).tolist()] if rule.floor > 0 else None
         features = self.next_feature[slots]
         drafts = self.native.chain(
-            self.cache, slots, starts, steps, first, features, self.draft_ids, stop_below=floor, first_kept=sure
+            self.cache, slots, starts, steps, first, features, self.draft_ids, floor=rule.floor, first_kept=first_kept
         )
         place_chains(proposals, rows, steps, drafts)
 
@@ -630,18 +484,18 @@ class Eagle3Drafter:
         return True
 
     def chains(
-        self, seqs: Seq[Sequence], ks: Seq[int], active: list[int], proposals: list[Proposal], floor: float = 0.0
+        self, seqs: Seq[Sequence], ks: Seq[int], active: list[int], proposals: list[Proposal], rule: ConfidenceRule
     ) -> None:
         """Chains for seqs[active] a step at a time, sampled drafts with their probabilities; a
-        greedy chain stops at a draft of probability below `floor`, as the compiled one does."""
+        greedy chain stops at the first draft `rule` does not keep, as the compiled one does."""
         probs: list[list[Tensor]] = [[] for _ in seqs]
         rows = list(active)
         logits = self.next_logits[[seqs[i].draft_slot for i in active]]
-        unsure: set[int] = set()  # greedy rows whose chain stopped at a draft below the floor
+        unsure: set[int] = set()  # greedy rows whose chain the rule stopped
         step = 0
         while True:
             tokens = self.draft_ids[logits.argmax(dim=-1)].tolist()
-            if floor > 0:
+            if rule.floor > 0:
                 top = top_probability(logits).tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]
@@ -649,7 +503,7 @@ class Eagle3Drafter:
                     q = target_probs(logits[row], seq.params)
                     tokens[row] = int(self.draft_ids[sample(q, seq.generator)])
                     probs[i].append(self.model.full_probabilities(q, self.draft_ids))
-                elif floor > 0 and top[row] < floor:
+                elif rule.floor > 0 and not rule.keeps(top[row]):
                     unsure.add(i)
                     continue
                 proposals[i].tokens.append(tokens[row])
@@ -674,6 +528,24 @@ class Eagle3Drafter:
         for i, n in zip(rows, self.chain_steps(ks, rows, starts)):
             if i in unsure:
                 proposals[i].trimmed = n + 1 - len(proposals[i].tokens)
+
+    def capture(self, k: int, backend: Backend, batch_sizes: Seq[int]) -> int:
+        """State k's greedy chain of k drafts and its extend after a verify of k + 1, and the
+        chain step every state shares if no state has captured it yet."""
+        if k == 0:
+            return 0
+        memory = 0
+        if self.graphs is None:
+            self.graphs = self.capture_graphs(backend, batch_sizes)
+            memory += self.graphs.memory_bytes
+        chain = self.chain_graphs[k] = self.capture_chain(backend, batch_sizes, k)
+        extend = self.extend_graphs[k + 1] = self.capture_extend(backend, batch_sizes, k + 1)
+        return memory + chain.memory_bytes + extend.memory_bytes
+
+    @property
+    def graph_captures(self) -> int:
+        sets = [self.graphs, *self.chain_graphs.values(), *self.extend_graphs.values()]
+        return sum(graphs.captures for graphs in sets if graphs is not None)
 
     def release(self, seq: Sequence) -> None:
         if seq.draft_slot is not None:

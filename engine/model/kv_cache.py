@@ -31,7 +31,7 @@ class KVCache:
         self.max_seq_len = max_seq_len
         # One spare position per row: padded tokens of a ragged batch write there (`scratch_pos`).
         shape = (num_layers, max_batch_size, max_seq_len + 1, num_kv_heads, head_dim)
-        # The compiled CPU forward (engine/native.py) reads keys position-minor, [layers, slots,
+        # The compiled CPU forward (engine/native/) reads keys position-minor, [layers, slots,
         # kv heads, head_dim, positions rounded up to 64], so that scores are a product of tiles
         # with no transposition per forward; `keys` views either layout the same way. It reads
         # values 64 at a time, so a head narrower than that may read up to 64 past the last one.

@@ -1,6 +1,6 @@
 /* The decoder forward on a CPU in one call: every layer, in float32, for a batch of rows that each
  * append some new tokens to their own KV cache slot (a prompt, one decode token, or a verify of
- * k+1 tokens). engine/native.py compiles this file once per machine and calls it through ctypes.
+ * k+1 tokens). engine/native/build.py compiles this file once per machine and calls it through ctypes.
  *
  * Why not PyTorch operators: on the small models adaspec drafts with, a decode token costs about
  * as much in per-operator dispatch as in arithmetic, and the matrix-vector products of its
@@ -25,74 +25,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 /* 16 floats: one AVX-512 register where the CPU has them; GCC splits it where it has not. */
 typedef float vf __attribute__((vector_size(64)));
 typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
 
-#define PANEL 64 /* output columns per weight panel: four vectors */
 #define TILE_ROWS 6 /* input rows per register tile: 24 accumulators */
 /* Input rows per tile of a bfloat16 or int8 panel, widened as it is read: eight rows spill a few
  * of their 32 accumulators, yet a verify of up to 8 tokens then reads each weight once. */
 #define NARROW_TILE_ROWS 8
-
-enum { F32, BF16, INT8 }; /* how a Linear's panels are stored */
-
-/* A weight [n, k] stored as panels of PANEL output columns, each [k][PANEL] (the last one
- * zero-padded), so that a product streams it from memory exactly once in order. */
-typedef struct {
-    const void *panels; /* in `format`: bfloat16 and int8 are widened to float32 as they are read */
-    const float *bias;  /* [n] or NULL */
-    const float *scale; /* INT8: [n], each output column's scale (its products are summed, then scaled) */
-    int32_t n, k;
-    int32_t format;
-} Linear;
-
-typedef struct {
-    const float *input_norm;
-    Linear qkv;
-    const float *q_norm, *k_norm; /* [head_dim] each, or NULL */
-    Linear o_proj;
-    const float *post_norm;
-    Linear gate_up;
-    Linear down;
-} Layer;
-
-typedef struct {
-    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
-    int32_t sliding_window; /* 0: none */
-    float eps;
-    const void *embed;               /* [vocab, hidden], bfloat16 where `embed_bf16` */
-    int32_t embed_bf16;
-    const float *norm;               /* [hidden] */
-    const float *rope_cos, *rope_sin; /* [positions, head_dim]; sin with rotate-half's sign */
-    Linear lm_head;
-    const Layer *layers;
-} Model;
-
-typedef struct {
-    float *k;                  /* [layers, slots, kv_heads, head_dim, positions]: keys position-minor */
-    float *v;                  /* [layers, slots, positions, kv_heads, head_dim] */
-    int64_t k_layer, k_slot, positions;
-    int64_t v_layer, v_slot;
-} Cache;
-
-typedef struct {
-    int32_t rows, width;     /* tokens is [rows, width], right-padded */
-    const int64_t *tokens;
-    const int32_t *slot, *start, *count; /* per row: cache slot, tokens cached before, new tokens */
-    int32_t last_only;       /* logits of each row's last token only ([rows, vocab]) */
-    float *logits;           /* [rows, width, vocab], or [rows, vocab] with last_only */
-    int32_t num_captured;    /* layers whose outputs are copied to captured[i], [rows, width, hidden] */
-    const int32_t *captured_layers;
-    float *const *captured;
-    int32_t threads;
-    int32_t block;           /* a row's new tokens all see each other (DFlash's block), not causally */
-    int32_t out_first, out_count; /* out_count > 0: logits of each row's tokens out_first.. only
-                                   * ([rows, out_count, vocab]; every row has that many) */
-    int64_t captured_stride; /* floats from one token's captured row to the next (0: hidden), so that
-                              * the captured layers can sit side by side in one tensor */
-    int64_t *argmax;         /* NULL, or per row of logits written its argmax (laid out as they are) */
-} Batch;
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -295,7 +237,7 @@ static void silu_times(const float *gate, const float *up, int n, float *out) {
 }
 
 /* act[m] = silu(gate) * up for m < rows, where w's panels hold gate and up rows alternately
- * (PANEL / 2 of each, engine/native.py `gate_up_panels`): each thread finishes its panels' share
+ * (PANEL / 2 of each, engine/native/weights.py `gate_up_panels`): each thread finishes its panels' share
  * of act without a pass of its own over the product. */
 static void linear_glu(const float *x, int rows, const Linear *w, float *act, int inter, float *widened) {
     const int panels = (w->n + PANEL - 1) / PANEL, half = PANEL / 2;
@@ -632,14 +574,6 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
     return 0;
 }
 
-/* DFlash's context: the target's tapped hidden states of `tokens` newly kept tokens ([tokens,
- * taps * hidden], concatenated) are fused (fc, then its norm) and become every draft layer's keys
- * (k-norm, RoPE at position[t]) and values in the drafter's cache, at slot[t]. */
-typedef struct {
-    Linear fc;
-    const float *fc_norm;
-    const Linear *kv; /* per draft layer: its key and value projections, [k; v] */
-} Context;
 
 int adaspec_dflash_context(const Model *m, const Context *c, const Cache *cache, int tokens, const float *taps,
                            const int32_t *slot, const int32_t *position, int threads) {
@@ -785,8 +719,6 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, int norm_befor
     return 0;
 }
 
-int adaspec_nucleus(const float *probs, int rows, int n, float top_p, float *out);
-
 /* A sampled draft (engine/sampling.py `target_probs` without top-k, then `sample`): `probs`
  * becomes softmax(logits * inv_temperature) kept on its top_p nucleus, and the draft is the first
  * index whose cumulative probability exceeds u times the total (a zero-probability one never
@@ -822,13 +754,13 @@ static int draw(const float *logits, int n, float inv_temperature, float top_p, 
  * inv_temperature[r] and top_p[r] (`draw`), its probabilities written to probs[(r * width + j +
  * 1) * vocab ..]; mapped by draft_to_target. Rows that are done drop out of the later steps.
  * drafted[r] counts row r's drafts (in: 1, or 0 for a row that drafts no more). A greedy row stops
- * at the first draft whose probability under the head is below stop_below (0: never); that draft
+ * at the first draft whose probability under the head is below floor (0: never); that draft
  * is not kept. */
 int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_before_residual, const Cache *cache,
                          int rows, const int32_t *slot, const int32_t *start, const int32_t *steps,
                          const int64_t *draft_to_target, float *features, int64_t *tokens, int width,
                          const float *inv_temperature, const float *top_p, const double *uniforms, float *probs,
-                         float stop_below, int32_t *drafted, int threads) {
+                         float floor, int32_t *drafted, int threads) {
     const int hidden = m->hidden, vocab = m->vocab;
     int longest = 0;
     for (int r = 0; r < rows; r++)
@@ -866,7 +798,7 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
                 failed = -1;
                 break;
             }
-            if (!uniforms && stop_below > 0 && top_probability(logits + (int64_t)s * vocab, vocab, pick) < stop_below)
+            if (!uniforms && floor > 0 && top_probability(logits + (int64_t)s * vocab, vocab, pick) < floor)
                 continue;
             drafted[r] = j + 2;
             tokens[at] = draft_to_target[pick];
@@ -883,12 +815,12 @@ int adaspec_eagle3_chain(const Model *m, const float *hidden_norm, int norm_befo
  * (next_features [slots, hidden], next_logits [slots, vocab]), then each row's greedy chain from
  * there (adaspec_eagle3_chain): its first draft the argmax of those logits, then steps[r] more,
  * written to tokens[r * width ..], and how many there are to drafted[r]: fewer where a draft's
- * probability under the head is below stop_below (as adaspec_eagle3_chain stops). */
+ * probability under the head is below floor (as adaspec_eagle3_chain stops). */
 int adaspec_eagle3_round(const Model *m, const float *hidden_norm, int norm_before_residual, const Linear *fc,
                          const Cache *cache, int count, const int64_t *token_ids, const float *taps,
                          const int32_t *slot, const int32_t *position, int rows, const int32_t *selected,
                          const int32_t *steps, const int64_t *draft_to_target, float *next_features,
-                         float *next_logits, int64_t *tokens, int width, float stop_below, int32_t *drafted,
+                         float *next_logits, int64_t *tokens, int width, float floor, int32_t *drafted,
                          int threads) {
     const int hidden = m->hidden, vocab = m->vocab;
     float *arena = malloc(sizeof(float) * (size_t)rows * (hidden + vocab));
@@ -909,11 +841,11 @@ int adaspec_eagle3_round(const Model *m, const float *hidden_norm, int norm_befo
         const float *row = logits + (int64_t)r * vocab;
         const int first = argmax(row, vocab);
         tokens[(int64_t)r * width] = draft_to_target[first];
-        drafted[r] = stop_below > 0 && top_probability(row, vocab, first) < stop_below ? 0 : 1;
+        drafted[r] = floor > 0 && top_probability(row, vocab, first) < floor ? 0 : 1;
     }
     if (!failed)
         failed = adaspec_eagle3_chain(m, hidden_norm, norm_before_residual, cache, rows, row_slot, start, steps,
-                                      draft_to_target, features, tokens, width, NULL, NULL, NULL, NULL, stop_below,
+                                      draft_to_target, features, tokens, width, NULL, NULL, NULL, NULL, floor,
                                       drafted, threads);
     free(arena), free(meta);
     return failed;

@@ -3,10 +3,10 @@
 One `Backend` per engine answers the questions that differ by device: the default dtype, whether
 torch.compile may be used (never on NPU: torch_npu's graph capture and Inductor do not mix, which
 is why SGLang turns compile off there), how to wait for the device, how much memory is in use, and
-how to capture a forward into a graph and replay it. The graph runner (engine/graphs.py) only
+how to capture a forward into a graph and replay it. The graph runner (engine/device/graphs.py) only
 talks to this seam, so the same capture code serves CUDA graphs and torch_npu's NPUGraph.
 
-Device names are resolved by engine/device.py alone; torch_npu is imported only for "npu".
+Device names are resolved by engine/device/resolve.py alone; torch_npu is imported only for "npu".
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from engine.device import DeviceError, resolve_device, resolve_dtype
+from engine.device.resolve import DeviceError, resolve_device, resolve_dtype
 
 T = TypeVar("T")
 

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.backend import Backend, Graph
-from engine.kv_cache import KVCache
-from engine.model import ForwardBatch, ForwardOutput, Transformer, visible_keys
+from engine.device.backend import Backend, Graph
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import ForwardBatch, ForwardOutput, Transformer, visible_keys
 
 
 class ForwardMode(enum.Enum):

@@ -1,0 +1,55 @@
+"""A workload: JSON Lines, one request per line (the format is described in bench/spec.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt: str
+    params: SamplingParams
+    phase: str
+    arrival_s: float | None
+
+
+WORKLOAD_KEYS = frozenset(
+    {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "phase", "arrival_s"}
+)
+
+
+def read_workload(path: Path) -> list[WorkItem]:
+    items = []
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SystemExit(f"{path}: cannot read the workload ({err.strerror})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+            if unknown := sorted(set(raw) - WORKLOAD_KEYS):  # a typo would run with a default
+                raise ValueError(f"unknown key {unknown[0]!r}; a request has {', '.join(sorted(WORKLOAD_KEYS))}")
+            if "prompt" not in raw:
+                raise ValueError('no "prompt"')
+            params = SamplingParams(
+                max_tokens=int(raw.get("max_tokens", 128)),
+                temperature=float(raw.get("temperature", 0.0)),
+                top_k=int(raw.get("top_k", 0)),
+                top_p=float(raw.get("top_p", 1.0)),
+                seed=raw.get("seed"),
+                stop=tuple([raw["stop"]] if isinstance(raw.get("stop"), str) else raw.get("stop") or ()),
+            )
+            items.append(WorkItem(str(raw["prompt"]), params, str(raw.get("phase", "all")), raw.get("arrival_s")))
+        except (KeyError, ValueError, TypeError) as err:
+            raise SystemExit(f"{path}:{number}: bad request ({err})") from None
+    if not items:
+        raise SystemExit(f"{path}: no requests")
+    return items
