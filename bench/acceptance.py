@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.prompts import code_prompts
 from bench.spec import ROOT
 from control.arguments import at_least
-from control.config import load_config
+from control.load import load_config
 from daemon.runtime import build_drafter, load_models
 from engine.core import Engine
 from engine.generate import generate

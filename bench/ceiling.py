@@ -34,7 +34,7 @@ from bench.spec import (
 )
 from bench.spec import make_parser as spec_parser
 from control.arguments import integers
-from control.config import ConfigSnapshot
+from control.snapshot import ConfigSnapshot
 from daemon.runtime import Models, load_models
 from engine.controller import Controller
 from engine.core import Engine

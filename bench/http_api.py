@@ -37,7 +37,7 @@ import tomllib
 
 from bench.spec import ROOT, ModeReport, WorkItem, bench_snapshot, read_workload, run_url
 from control.arguments import integers
-from control.config import ConfigSnapshot
+from control.snapshot import ConfigSnapshot
 
 CONFIG = """\
 [engine]

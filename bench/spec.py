@@ -48,7 +48,9 @@ from functools import cache, partial
 from pathlib import Path
 
 from control.arguments import at_least
-from control.config import ConfigError, ConfigSnapshot, load_config
+from control.issues import ConfigError
+from control.load import load_config
+from control.snapshot import ConfigSnapshot
 from daemon import runtime
 from daemon.logs import configure_logging
 from daemon.runtime import Models, load_models

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.prompts import code_prompts
 from bench.spec import ROOT, WorkItem, build_controller, run_mode
-from control.config import load_config
+from control.load import load_config
 from daemon.runtime import load_models
 from engine.sampling import SamplingParams
 

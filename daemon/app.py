@@ -29,7 +29,7 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from control.admin import AdminSocketError, serve_admin
-from control.config import ConfigSnapshot
+from control.snapshot import ConfigSnapshot
 from daemon.auth import api_key
 from daemon.chat import ChatTemplate, ChatTemplateError
 from daemon.commands import AdminCommands

@@ -11,7 +11,7 @@ import anyio
 
 from control.admin import AdminError, Peer
 from control.bounded import clip
-from control.config import effective
+from control.snapshot import effective
 from daemon.reload import Reloader
 from daemon.startup import Startup
 from engine.controller import FORCE_NEEDS_ADAPTING, Ack

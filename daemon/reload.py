@@ -17,7 +17,9 @@ from pathlib import Path
 import anyio
 import structlog
 
-from control.config import ConfigError, ConfigSnapshot, diff, parse_config
+from control.issues import ConfigError
+from control.load import parse_config
+from control.snapshot import ConfigSnapshot, diff
 from daemon.logs import configure_logging
 from daemon.notify import Notifier
 from daemon.runtime import required_k

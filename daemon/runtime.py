@@ -8,7 +8,8 @@ from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
-from control.config import ConfigSnapshot, EngineSettings
+from control.settings import EngineSettings
+from control.snapshot import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.config import DFLASH_KINDS, DRAFT_MODEL_KINDS, EAGLE3_KINDS
 from engine.controller import Controller, SwitchObserver

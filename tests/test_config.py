@@ -8,19 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from control.config import (
-    SCHEMA,
-    SLOT_KEYS,
-    AdaptiveSettings,
-    ConfigError,
-    ConfigIssue,
-    ConfigSnapshot,
-    diff,
-    effective,
-    key_paths,
-    load_config,
-    parse_config,
-)
+from control.issues import ConfigError, ConfigIssue
+from control.load import load_config, parse_config
+from control.schema import SCHEMA, SLOT_KEYS, key_paths
+from control.settings import AdaptiveSettings
+from control.snapshot import ConfigSnapshot, diff, effective
 from engine.policy import BatchSlot, PolicyParams
 
 ROOT = Path(__file__).resolve().parents[1]

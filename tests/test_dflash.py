@@ -506,7 +506,8 @@ def assert_serves_losslessly(controller, target) -> None:
 
 @pytest.mark.parametrize("kind", ["dflash", "hybrid_dflash"])
 def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp_path, kind):
-    from control.config import ConfigError, load_config
+    from control.issues import ConfigError
+    from control.load import load_config
     from daemon.runtime import build_controller, load_models
     from engine.controller import Controller
 
@@ -642,7 +643,7 @@ def bench_modes_naming(kind: str, target, folder):
     same mode with `+KIND=folder/other`; a mode naming a folder with no drafter is refused by name.
     Both drafters must be saved there already."""
     from bench import spec
-    from control.config import load_config
+    from control.load import load_config
     from daemon.runtime import load_models
 
     config = folder / "config.toml"
