@@ -50,6 +50,7 @@ from pathlib import Path
 from control.arguments import at_least
 from control.issues import ConfigError
 from control.load import load_config
+from control.schema import DEFAULT_CANDIDATES
 from control.snapshot import ConfigSnapshot
 from daemon import runtime
 from daemon.logs import configure_logging
@@ -60,7 +61,7 @@ from engine.device import DeviceError
 from engine.dflash import DFlashModel, load_dflash
 from engine.eagle3 import Eagle3Model, load_eagle3
 from engine.model import Transformer
-from engine.policy import DEFAULT_CANDIDATES, PolicyParams
+from engine.policy import PolicyParams
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.verify import CHAIN_RULES

@@ -212,7 +212,7 @@ def _fill_defaults(explicit: Mapping[str, Any], invalid: set[str], base: Path) -
     for path, source in sources.items():
         key = key_at(path)
         if source == "default":
-            values[path] = key.default(explicit) if callable(key.default) else key.default
+            values[path] = key.default_for(explicit)
         if key.kind == "path" and values[path] is not None:
             values[path] = _resolve(values[path], base)
     return values, sources

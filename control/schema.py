@@ -18,7 +18,7 @@ from control.settings import (
     ShutdownSettings,
 )
 from engine.config import DRAFT_QUANTIZATIONS, DRAFTERS
-from engine.policy import DEFAULT_CANDIDATES, PolicyParams
+from engine.policy import STRATEGY_NAMES, PolicyParams
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class Key:
     pattern_doc: str = ""  # ... described like this in errors
     bounded_by_max_k: bool = False  # holds draft lengths k, each of which needs a runtime state
     secret: bool = False  # shown as "<hidden>" wherever the effective config is shown
+
+    def default_for(self, explicit: Mapping[str, Any]) -> Any:
+        """The default where a file sets `explicit` ({path: value}): a computed one sees them all."""
+        return self.default(explicit) if callable(self.default) else self.default
 
 
 # Keys an older config may still hold, and what to do about each.
@@ -71,10 +75,22 @@ def _default_socket(values: Mapping[str, Any]) -> Path:
     return Path(f"/tmp/adaspec-{os.getuid()}") / "admin.sock"
 
 
+# Each strategy's candidates where none are configured: SGLang's for ema; for measured, which
+# tries only a k's neighbours, a ladder fine enough that a neighbour is a small step (4 was added
+# on the tuning half of the workload suite: at batch 1 the best k is often 4 or 5, and 3 and 5
+# were too far apart to climb between on a 2% margin; docs/benchmarks.md); positional shares it.
+DEFAULT_CANDIDATES: Mapping[str, tuple[int, ...]] = {
+    "ema": (1, 3, 7),
+    "measured": (0, 1, 2, 3, 4, 5, 7),
+    "positional": (0, 1, 2, 3, 4, 5, 7),
+}
+
+
 def _default_candidates(values: Mapping[str, Any]) -> tuple[int, ...]:
     strategy = values.get("adaptive.strategy")
-    default = DEFAULT_CANDIDATES["positional"]
-    return DEFAULT_CANDIDATES.get(strategy, default) if isinstance(strategy, str) else default
+    if not isinstance(strategy, str) or strategy not in DEFAULT_CANDIDATES:  # unset, or invalid itself
+        strategy = SCHEMA["adaptive"].keys["strategy"].default
+    return DEFAULT_CANDIDATES[strategy]
 
 
 def _default_mode(values: Mapping[str, Any]) -> str:
@@ -117,35 +133,37 @@ SCHEMA: Mapping[str, Section] = {
         "max_seq_len": Key("int", 2048, "longest sequence (prompt + output) in tokens", lo=16, hi=32768),
         "max_k": Key("int", 32, "largest draft length k any runtime state may have", lo=1, hi=64),
     }),
+    # Each policy key's doc names the strategies that read it. The policy's defaults were chosen on
+    # the tuning half of the workload suite (docs/benchmarks.md; config.toml says which).
     "adaptive": Section(AdaptiveSettings, live=True, doc="the draft-length policy", keys={
         "enabled": Key("bool", True, "adapt k to the acceptance rate; false = always static_k"),
         "static_k": Key("int", 3, "k used when enabled = false", lo=0, bounded_by_max_k=True),
         "strategy": Key("str", "positional", "policy: positional (each k's tokens from how often each draft"
                         " position is kept, its seconds measured), measured (climbs to the k measured fastest)"
                         " or ema (SGLang ladder)",
-                        choices=("measured", "positional", "ema"),
-                        retired={"goodput": "'measured' replaced it"}),
-        "candidate_k": Key("ks", _default_candidates, "draft lengths k the policy chooses from", lo=0,
-                               bounded_by_max_k=True),
-        "initial_k": Key("int", None, "k to start with; default: by strategy", lo=0,
-                             bounded_by_max_k=True),
-        "ema_alpha": Key("float", 0.2, "weight of the newest round in the ema strategy's acceptance EMA",
+                        choices=STRATEGY_NAMES, retired={"goodput": "'measured' replaced it"}),
+        "candidate_k": Key("ks", _default_candidates, "every strategy: draft lengths k the policy chooses from;"
+                           " default: by strategy", lo=0, bounded_by_max_k=True),
+        "initial_k": Key("int", None, "every strategy: k to start with; default: by strategy", lo=0,
+                         bounded_by_max_k=True),
+        "ema_alpha": Key("float", 0.2, "ema: weight of the newest round in its acceptance EMA",
                          lo=0, lo_open=True, hi=1),
-        "warmup_batches": Key("int", 10, "rounds observed before the first decision", lo=0),
-        "update_interval": Key("int", 5, "rounds between decisions", lo=1),
+        "warmup_batches": Key("int", 10, "every strategy: rounds observed before the first decision", lo=0),
+        "update_interval": Key("int", 5, "every strategy: rounds between decisions", lo=1),
         "up_hysteresis": Key("float", 0.0, "ema: extra margin needed to move up a tier"),
         "down_hysteresis": Key("float", -0.25, "ema: margin (usually negative) before moving down a tier"),
-        "probe_interval": Key("int", 10, "fewest rounds between tries of another k", lo=1),
-        "switch_margin": Key("float", 0.02, "measured: fraction by which a tried k must beat the current one",
-                             lo=0),
-        "exploration": Key("float", 0.01, "measured: share of serving time tries of other k's may lose",
-                           lo=0, lo_open=True, hi=1),
+        "probe_interval": Key("int", 10, "ema: rounds at k = 0 before it drafts again; measured and positional:"
+                              " fewest rounds between tries of another k", lo=1),
+        "switch_margin": Key("float", 0.02, "measured and positional: fraction by which a k must beat the"
+                             " current one (measured: as tried; positional: as estimated)", lo=0),
+        "exploration": Key("float", 0.01, "measured and positional: share of serving time tries of other k's"
+                           " may lose", lo=0, lo_open=True, hi=1),
         "exploration_backoff": Key("float", 2.0, "measured: how many times longer each further try of a"
                                    " shorter k that lost again waits", lo=1),
-        "draft_confidence": Key("float", 0.1, "verify a draft only while the drafter is at least this sure:"
-                                " dflash of the drafts so far (their product), eagle3 of each greedy draft;"
-                                " 0 = all k", lo=0, hi=1),
-        "slots": Key("slots", (), "candidate lists by batch size ([[adaptive.slots]])"),
+        "draft_confidence": Key("float", 0.1, "every strategy, with the dflash and eagle3 drafters: verify a"
+                                " draft only while the drafter is at least this sure: dflash of the drafts so"
+                                " far (their product), eagle3 of each greedy draft; 0 = all k", lo=0, hi=1),
+        "slots": Key("slots", (), "every strategy: candidate lists by batch size ([[adaptive.slots]])"),
     }),
     "admin": Section(AdminSettings, live=False, doc="the admin socket", keys={
         "socket": Key("path", _default_socket, "Unix socket path; default under the runtime directory"),
@@ -194,3 +212,12 @@ def key_at(path: str) -> Key:
     if "[" in name:  # a slot's key, such as adaptive.slots[1].candidate_k
         return SLOT_KEYS[name.rsplit(".", 1)[1]]
     return SCHEMA[section].keys[name]
+
+
+def policy_params(**overrides: Any) -> PolicyParams:
+    """The policy's parameters at the schema's defaults but for `overrides`, candidate_k by the
+    strategy as a file's would be: for code that builds them without a file, such as tests."""
+    explicit = {f"adaptive.{name}": value for name, value in overrides.items()}
+    keys = SCHEMA["adaptive"].keys
+    defaults = {name: keys[name].default_for(explicit) for name in POLICY_FIELDS}
+    return PolicyParams(**(defaults | overrides))

@@ -10,10 +10,11 @@ import pytest
 
 from control.issues import ConfigError, ConfigIssue
 from control.load import load_config, parse_config
-from control.schema import SCHEMA, SLOT_KEYS, key_paths
+from control.schema import DEFAULT_CANDIDATES, SCHEMA, SLOT_KEYS, key_paths, policy_params
 from control.settings import AdaptiveSettings
 from control.snapshot import ConfigSnapshot, diff, effective
-from engine.policy import BatchSlot, PolicyParams
+from engine.policy import STRATEGY_NAMES, BatchSlot, PolicyParams
+from engine.policy.slots import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "config.toml"
@@ -107,6 +108,27 @@ def test_every_schema_key_is_a_settings_field():
         assert names == set(spec.keys), section
 
 
+def test_the_schema_is_the_one_place_a_policy_default_is_written():
+    unset = dataclasses.MISSING
+    defaulted = [f.name for f in dataclasses.fields(PolicyParams) if (f.default, f.default_factory) != (unset, unset)]
+    assert defaulted == []
+    # Every strategy the engine runs has its default candidates here, and no other does.
+    assert set(STRATEGIES) == set(STRATEGY_NAMES) == set(DEFAULT_CANDIDATES)
+
+
+def test_policy_params_are_the_schemas_defaults_but_for_what_is_given():
+    keys = SCHEMA["adaptive"].keys
+    params = policy_params()
+    assert params == parse_config(DEFAULTS_ONLY).adaptive.policy
+    assert params.strategy == keys["strategy"].default and params.probe_interval == keys["probe_interval"].default
+    # The candidates follow the strategy given, as in a file, unless they are given too.
+    assert policy_params(strategy="ema").candidate_k == DEFAULT_CANDIDATES["ema"]
+    assert policy_params(strategy="ema", candidate_k=(0, 4)).candidate_k == (0, 4)
+    assert policy_params(switch_margin=0.5).switch_margin == 0.5
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        policy_params(strategy="magic")
+
+
 # --- defaults and sources -----------------------------------------------------------------------
 
 
@@ -127,10 +149,10 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     assert snapshot.adaptive.policy.ema_alpha == 0.5
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
     # The daemon's defaults: the positional strategy over its own ladder (chosen on the tuning half
-    # of the workload suite, docs/benchmarks.md); every other policy parameter is PolicyParams'.
-    assert snapshot.adaptive.policy == PolicyParams(
-        strategy="positional", candidate_k=(0, 1, 2, 3, 4, 5, 7), ema_alpha=0.5
-    )
+    # of the workload suite, docs/benchmarks.md); every policy parameter is the schema's default.
+    assert snapshot.adaptive.policy == policy_params(ema_alpha=0.5)
+    assert snapshot.adaptive.policy.strategy == "positional"
+    assert snapshot.adaptive.policy.candidate_k == (0, 1, 2, 3, 4, 5, 7)
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_k is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
     assert snapshot.engine.max_batch_size == 8 and snapshot.server.port == 8000

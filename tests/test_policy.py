@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine.policy import BatchSlot, EmaPolicy, Observation, PolicyParams, SlottedPolicy, make_policy, snap
+from control.schema import policy_params
+from engine.policy import BatchSlot, EmaPolicy, Observation, SlottedPolicy, make_policy, snap
 
-DEFAULTS = PolicyParams()
+DEFAULTS = policy_params(strategy="ema")
 
 
 def batch(k: int, accepted: list[int], draft_seconds: float = 0.0, verify_seconds: float = 0.0) -> Observation:
@@ -155,18 +156,19 @@ def test_new_alpha_keeps_the_ema_and_a_new_candidate_list_snaps_k():
 
 def test_invalid_params_are_refused_with_reasons():
     with pytest.raises(ValueError, match="candidate_k must not be empty"):
-        PolicyParams(candidate_k=())
+        policy_params(candidate_k=())
     with pytest.raises(ValueError, match="ema_alpha must be in"):
-        PolicyParams(ema_alpha=0)
+        policy_params(ema_alpha=0)
     with pytest.raises(ValueError, match="strategy must be"):
-        PolicyParams(strategy="magic")
+        policy_params(strategy="magic")
 
 
 # ---- slots -----------------------------------------------------------------------------------
 
 
 def test_batch_size_slots_keep_separate_candidates_and_state():
-    params = PolicyParams(
+    params = policy_params(
+        strategy="ema",
         candidate_k=(1, 3, 7),
         slots=(BatchSlot(1, (1, 3, 7)), BatchSlot(4, (0, 1))),
         warmup_batches=0,
