@@ -83,6 +83,15 @@ def test_an_operator_switch_is_logged_at_info(pair):
         controller.apply(Pin(0 if controller.k else 1))
     [event] = [e for e in logs if e["event"] == "switch"]
     assert event["reason"] == "pin" and event["log_level"] == "info"
+    assert isinstance(event["ema"], float)  # the ema strategy's
+
+
+def test_a_switch_names_no_ema_where_the_policy_keeps_none(pair):
+    controller = make(pair, policy_params(strategy="positional", candidate_k=(0, 2, 5)))  # starts at 2
+    with capture_logs() as logs:
+        controller.apply(Pin(5))
+    [event] = [e for e in logs if e["event"] == "switch"]
+    assert set(event) == {"event", "log_level", "from", "to", "reason", "round"}
 
 
 def test_pin_holds_k_while_the_policy_keeps_observing_and_unpin_resumes(pair):

@@ -46,6 +46,17 @@ def test_ema_starts_at_k_minus_one():
     assert EmaPolicy(DEFAULTS, 3).ema == 2.0
 
 
+@pytest.mark.parametrize("strategy", ["measured", "positional"])
+def test_only_the_ema_strategy_reports_an_ema(strategy):
+    slots = (BatchSlot(4, (0, 1)),)
+    for params in (policy_params(strategy=strategy), policy_params(strategy=strategy, slots=slots)):
+        policy = make_policy(params, 3)
+        for _ in range(20):
+            policy.observe(batch(policy.k, [policy.k, 0]))
+        assert policy.ema is None
+    assert make_policy(policy_params(strategy="ema", slots=slots), 3).ema == 2.0
+
+
 def test_no_decision_during_warmup_then_one_every_interval():
     policy = EmaPolicy(DEFAULTS, 1)
     decided_at = []
