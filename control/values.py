@@ -1,5 +1,5 @@
-"""One value checked against its key: type, pattern, choices and range. The message of an
-`InvalidValue` completes "<path>: "."""
+"""One value checked against its key (type, pattern, choices and range), and the words an error
+uses to describe a value or suggest a name."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class InvalidValue(Exception):
 
 
 def check_value(key: Key, value: Any) -> Any:
+    """The value as the settings hold it; InvalidValue where it does not fit the key."""
     value = _CONVERT[key.kind](value)
     if key.pattern and not re.fullmatch(key.pattern, value):
         raise InvalidValue(f"must be {key.pattern_doc}, got {clip(repr(value))}")
