@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.spec import ROOT
 from control.arguments import at_least
 from control.assemble import build_drafter, load_models
-from control.config import load_config
+from control.load import load_config
 from engine.core import Engine
 from engine.generate import generate
 from engine.request import Request

@@ -27,7 +27,7 @@ from bench.spec import make_parser as spec_parser
 from bench.workload import WorkItem, read_workload
 from control.arguments import integers
 from control.assemble import Models, load_models
-from control.config import ConfigSnapshot
+from control.snapshot import ConfigSnapshot
 from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.controller import Controller
 from engine.core import Engine

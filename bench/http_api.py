@@ -40,7 +40,7 @@ from bench.report import ModeReport
 from bench.spec import ROOT, bench_snapshot
 from bench.workload import WorkItem, read_workload
 from control.arguments import integers
-from control.config import ConfigSnapshot
+from control.snapshot import ConfigSnapshot
 
 CONFIG = """\
 [engine]

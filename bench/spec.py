@@ -48,15 +48,18 @@ from bench.workload import WorkItem, read_workload
 from control import assemble
 from control.arguments import at_least
 from control.assemble import Models, load_models
-from control.config import ConfigError, ConfigSnapshot, load_config
+from control.issues import ConfigError
+from control.load import load_config
 from control.logs import configure_logging
+from control.schema import DEFAULT_CANDIDATES
+from control.snapshot import ConfigSnapshot
 from engine.controller import Controller
 from engine.device.resolve import DeviceError
 from engine.model.config import DRAFT_QUANTIZATIONS, DRAFTERS, CheckpointError
 from engine.model.dflash import DFlashModel, load_dflash
 from engine.model.eagle3 import Eagle3Model, load_eagle3
 from engine.model.transformer import Transformer
-from engine.policy import DEFAULT_CANDIDATES, PolicyParams
+from engine.policy import PolicyParams
 from engine.verify import CHAIN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from bench.side_by_side import run_mode
 from bench.spec import ROOT, build_controller
 from bench.workload import WorkItem
 from control.assemble import load_models
-from control.config import load_config
+from control.load import load_config
 from engine.sampling import SamplingParams
 from tools.corpus import code_prompts
 

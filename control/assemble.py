@@ -7,7 +7,8 @@ from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
-from control.config import ConfigSnapshot, EngineSettings
+from control.settings import EngineSettings
+from control.snapshot import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine

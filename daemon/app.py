@@ -31,7 +31,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from control.admin import AdminSocketError, serve_admin
 from control.assemble import Phase, build_engine
-from control.config import ConfigSnapshot
+from control.snapshot import ConfigSnapshot
 from daemon.auth import api_key
 from daemon.commands import AdminCommands
 from daemon.http import Front, HttpBindError, HttpServer, OpenAIApi

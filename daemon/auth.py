@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from control.config import ServerSettings, read_key_file
+from control.load import read_key_file
+from control.settings import ServerSettings
 from daemon.protocol import ApiError
 
 ENV_VAR = "ADASPEC_API_KEY"

@@ -12,7 +12,8 @@ from types import FrameType
 import anyio
 import structlog
 
-from control.config import ConfigError, load_config
+from control.issues import ConfigError
+from control.load import load_config
 from control.logs import configure_logging
 
 

@@ -11,7 +11,7 @@ import anyio
 
 from control.admin import AdminError, Peer
 from control.bounded import clip
-from control.config import effective
+from control.snapshot import effective
 from daemon.reload import Reloader
 from daemon.startup import Startup
 from engine.controller import FORCE_NEEDS_ADAPTING, Ack
@@ -83,7 +83,8 @@ class AdminCommands:
             "slots": [
                 {"min_batch_size": s.min_batch_size, "candidate_k": list(s.candidate_k)} for s in engine.params.slots
             ],
-            "ema": round(engine.ema, 4),
+            # only the ema strategy keeps an EMA
+            **({} if engine.ema is None else {"ema": round(engine.ema, 4)}),
             "round": engine.round,
             "switches": engine.switches,
             "generation": snapshot.generation,

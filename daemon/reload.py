@@ -18,8 +18,10 @@ import anyio
 import structlog
 
 from control.assemble import required_k
-from control.config import ConfigError, ConfigSnapshot, diff, parse_config
+from control.issues import ConfigError
+from control.load import parse_config
 from control.logs import configure_logging
+from control.snapshot import ConfigSnapshot, diff
 from daemon.notify import Notifier
 from engine.loop import EngineLoop
 

@@ -184,8 +184,9 @@ class Controller:
         operator = reason in OPERATOR_REASONS
         if operator or levels.isEnabledFor(logging.DEBUG):
             emit = log.info if operator else log.debug
-            ema = round(self.policy.ema, 4)
-            emit("switch", **{"from": self._k, "to": k}, ema=ema, reason=reason, round=self.engine.round)
+            ema = self.policy.ema  # only the ema strategy keeps one
+            held = {} if ema is None else {"ema": round(ema, 4)}
+            emit("switch", **{"from": self._k, "to": k}, **held, reason=reason, round=self.engine.round)
         previous, self._k = self._k, k
         self.switches += 1
         if self.on_switch is not None:

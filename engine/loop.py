@@ -75,7 +75,7 @@ class EngineStatus:
     pinned: int | None
     params: PolicyParams
     candidates: tuple[int, ...]  # those the policy chooses from now (with [[adaptive.slots]]: its slot's)
-    ema: float
+    ema: float | None  # the acceptance EMA where the strategy keeps one (ema)
     round: int
     switches: int
     running: int  # sequences in the batch

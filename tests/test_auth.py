@@ -6,7 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from control.config import ConfigError, effective, load_config
+from control.issues import ConfigError
+from control.load import load_config
+from control.snapshot import effective
 from daemon.auth import ENV_VAR, api_key
 from tests.test_config import write
 

@@ -133,7 +133,7 @@ def test_bench_spec_without_a_config_runs_what_the_daemon_runs():
     from the shipped config.toml: the same models, drafter, runtime states and policy."""
     from bench import spec
     from control.assemble import build_controller, load_models
-    from control.config import load_config
+    from control.load import load_config
 
     args = spec.make_parser().parse_args(["--workload", "any.jsonl"])
     snapshot = spec.bench_snapshot(args)
@@ -256,7 +256,7 @@ def test_the_kernels_bench_says_whether_another_build_gives_the_same_logits(tmp_
 def test_a_workload_or_mode_the_bench_cannot_run_is_named(tmp_path):
     from bench.spec import mode_snapshot
     from bench.workload import read_workload
-    from control.config import load_config
+    from control.load import load_config
     from tests.conftest import ROOT
 
     with pytest.raises(SystemExit, match=r"none\.jsonl: cannot read the workload \(No such file or directory\)"):

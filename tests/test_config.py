@@ -7,21 +7,16 @@ import re
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from control.config import (
-    SCHEMA,
-    SLOT_KEYS,
-    AdaptiveSettings,
-    ConfigError,
-    ConfigIssue,
-    ConfigSnapshot,
-    diff,
-    effective,
-    key_paths,
-    load_config,
-    parse_config,
-)
-from engine.policy import BatchSlot, PolicyParams
+from control.issues import ConfigError, ConfigIssue
+from control.load import load_config, parse_config
+from control.schema import DEFAULT_CANDIDATES, SCHEMA, SLOT_KEYS, key_at, key_paths, policy_params
+from control.settings import AdaptiveSettings
+from control.snapshot import ConfigSnapshot, diff, effective
+from control.values import check_value
+from engine.policy import STRATEGY_NAMES, BatchSlot, PolicyParams
+from engine.policy.slots import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "config.toml"
@@ -53,58 +48,111 @@ def test_shipped_config_parses_and_holds_the_defaults():
     assert shipped.engine.target == ROOT / "models" / "target"
 
 
-def _sections_of(text: str) -> dict[str, list[str]]:
-    """Lines of each [section] of a TOML text (commented-out [[tables]] stay in their section)."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] = []
-    for line in text.splitlines():
-        header = re.match(r"\[([a-z_]+)\]", line)
-        if header:
-            current = sections.setdefault(header[1], [])
-        current.append(line)
-    return sections
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """A `key = value` line of config.toml, commented out or not."""
+
+    value: object  # as TOML reads it
+    commented: bool
+    comment: str  # the comment lines right above it, joined, or the one beside it
 
 
-def test_shipped_config_documents_every_key():
-    sections = _sections_of(SHIPPED.read_text())
-    assert set(sections) == set(SCHEMA)
-    for section, spec in SCHEMA.items():
-        lines = sections[section]
-        names = [(name, name) for name in spec.keys if spec.keys[name].kind != "slots"]
-        if "slots" in spec.keys:
-            names.append(("slots", re.escape(f"[[{section}.slots]]")))
-            names += [(f"slots.{name}", name) for name in SLOT_KEYS]
-        for name, pattern in names:
-            at = [i for i, line in enumerate(lines) if re.match(rf"#?\s*{pattern}(\s*=|$)", line)]
-            assert at, f"{section}.{name} does not appear in config.toml"
-            i = at[0]
-            commented = "#" in lines[i].split("=", 1)[-1] or lines[i - 1].startswith("#")
-            assert commented, f"{section}.{name} has no comment above or beside it"
+def written_keys(text: str) -> dict[str, Written]:
+    """Every key a config file writes, by path ("adaptive.slots[0].candidate_k" for a slot's). A
+    line counts where it reads as TOML once uncommented; a commented-out [[adaptive.slots]]
+    opens a slot, as it would uncommented."""
+    lines = text.splitlines()
+    found: dict[str, Written] = {}
+    table = ""
+    slots = 0
+    for i, line in enumerate(lines):
+        if re.fullmatch(r"\[([a-z_]+)\].*", line):
+            table = line[1 : line.index("]")]
+            continue
+        if re.fullmatch(r"#\s*\[\[adaptive\.slots\]\]", line):
+            table, slots = f"adaptive.slots[{slots}]", slots + 1
+            continue
+        line_key = re.fullmatch(r"(#\s*)?([a-z_][a-z0-9_]*\s*=.*)", line)
+        if not table or not line_key:
+            continue
+        try:
+            ((name, value),) = tomllib.loads(line_key[2]).items()
+        except tomllib.TOMLDecodeError:
+            continue  # prose, such as "# 1 = no backoff."
+        above = []
+        while i - 1 - len(above) >= 0 and lines[i - 1 - len(above)].startswith("#"):
+            above.append(lines[i - 1 - len(above)].lstrip("# "))
+        beside = line.split("#", 2)[-1] if line.count("#") > bool(line_key[1]) else ""
+        found[f"{table}.{name}"] = Written(value, bool(line_key[1]), " ".join(reversed(above)) or beside)
+    return found
 
 
-def test_the_default_config_toml_states_is_the_schemas():
+SHIPPED_KEYS = written_keys(SHIPPED.read_text())
+
+# The values config.toml writes that are not the schema's default: each an example of a key whose
+# default is to leave it unset.
+EXAMPLES = {
+    "adaptive.initial_k": "unset, each strategy starts at its own k",
+    "admin.group": "unset, the daemon's own group",
+    "server.model_name": "unset, the target directory's name (which the example shows)",
+    "server.api_key": "unset, an open API",
+    "server.api_key_file": "unset, an open API",
+    "adaptive.slots[0].min_batch_size": "no slots",
+    "adaptive.slots[0].candidate_k": "no slots",
+}
+
+
+def test_config_toml_writes_only_schema_keys_each_with_a_valid_value():
+    for path, written in SHIPPED_KEYS.items():
+        section, name = path.split(".", 1)
+        assert section in SCHEMA and (name in SCHEMA[section].keys or name.startswith("slots[")), path
+        check_value(key_at(path), written.value)  # raises InvalidValue naming what is wrong
+
+
+def test_config_toml_documents_every_schema_key():
+    paths = {path for path in key_paths() if key_at(path).kind != "slots"}
+    paths |= {f"adaptive.slots[0].{name}" for name in SLOT_KEYS}
+    assert paths == set(SHIPPED_KEYS)
+    for path in paths:
+        assert SHIPPED_KEYS[path].comment, f"{path} has no comment above or beside it"
+
+
+def test_config_toml_comments_out_exactly_the_keys_without_a_fixed_default():
+    """As its header says: a key left out takes the default shown, a commented-out one has none."""
+    for path, written in SHIPPED_KEYS.items():
+        default = key_at(path).default
+        assert written.commented == (default is None or callable(default)), path
+
+
+def test_every_value_config_toml_writes_is_the_default_but_its_examples(monkeypatch):
+    # The socket's default as systemd's RuntimeDirectory=adaspec (systemd/adaspecd.service) has it.
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/adaspec")
+    defaults = parse_config(DEFAULTS_ONLY, path=SHIPPED)
+    differ = set()
+    for path, written in SHIPPED_KEYS.items():
+        key = key_at(path)
+        value = check_value(key, written.value)
+        if key.kind == "path":
+            value = SHIPPED.parent / value
+        if "[" in path or value != defaults.get(path):
+            differ.add(path)
+    assert differ == set(EXAMPLES)
+
+
+def test_config_toml_states_the_schemas_defaults():
     """Every key with a fixed default says it in its comment ("Default X."), as the schema has it."""
-    lines = SHIPPED.read_text().splitlines()
 
     def toml(value: object) -> str:
         if isinstance(value, bool):
             return "true" if value else "false"
         if isinstance(value, str):
             return f'"{value}"'
-        if isinstance(value, tuple):
-            return "[" + ", ".join(map(str, value)) + "]"
         return repr(value)
 
-    for section, spec in SCHEMA.items():
-        start = lines.index(next(line for line in lines if line.startswith(f"[{section}]")))
-        for name, key in spec.keys.items():
-            if callable(key.default) or key.default is None or key.kind == "slots":
-                continue  # computed, optional, or a table: said in words
-            at = next(i for i in range(start, len(lines)) if re.match(rf"#?\s*{name}\s*=", lines[i]))
-            above = []
-            while lines[at - 1 - len(above)].startswith("#"):
-                above.append(lines[at - 1 - len(above)].lstrip("# "))
-            assert f"Default {toml(key.default)}" in " ".join(reversed(above)), f"{section}.{name}"
+    for path, written in SHIPPED_KEYS.items():
+        default = key_at(path).default
+        if default is not None and not callable(default):  # computed or unset: said in words
+            assert f"Default {toml(default)}" in written.comment, path
 
 
 def test_every_schema_key_is_a_settings_field():
@@ -113,6 +161,27 @@ def test_every_schema_key_is_a_settings_field():
         if spec.settings is AdaptiveSettings:
             names = (names - {"policy"}) | {f.name for f in dataclasses.fields(PolicyParams)}
         assert names == set(spec.keys), section
+
+
+def test_the_schema_is_the_one_place_a_policy_default_is_written():
+    unset = dataclasses.MISSING
+    defaulted = [f.name for f in dataclasses.fields(PolicyParams) if (f.default, f.default_factory) != (unset, unset)]
+    assert defaulted == []
+    # Every strategy the engine runs has its default candidates here, and no other does.
+    assert set(STRATEGIES) == set(STRATEGY_NAMES) == set(DEFAULT_CANDIDATES)
+
+
+def test_policy_params_are_the_schemas_defaults_but_for_what_is_given():
+    keys = SCHEMA["adaptive"].keys
+    params = policy_params()
+    assert params == parse_config(DEFAULTS_ONLY).adaptive.policy
+    assert params.strategy == keys["strategy"].default and params.probe_interval == keys["probe_interval"].default
+    # The candidates follow the strategy given, as in a file, unless they are given too.
+    assert policy_params(strategy="ema").candidate_k == DEFAULT_CANDIDATES["ema"]
+    assert policy_params(strategy="ema", candidate_k=(0, 4)).candidate_k == (0, 4)
+    assert policy_params(switch_margin=0.5).switch_margin == 0.5
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        policy_params(strategy="magic")
 
 
 # --- defaults and sources -----------------------------------------------------------------------
@@ -135,10 +204,10 @@ def test_omitted_sections_take_defaults_and_sources_say_so(tmp_path, monkeypatch
     assert snapshot.adaptive.policy.ema_alpha == 0.5
     assert snapshot.sources["adaptive.ema_alpha"] == "file"
     # The daemon's defaults: the positional strategy over its own ladder (chosen on the tuning half
-    # of the workload suite, docs/benchmarks.md); every other policy parameter is PolicyParams'.
-    assert snapshot.adaptive.policy == PolicyParams(
-        strategy="positional", candidate_k=(0, 1, 2, 3, 4, 5, 7), ema_alpha=0.5
-    )
+    # of the workload suite, docs/benchmarks.md); every policy parameter is the schema's default.
+    assert snapshot.adaptive.policy == policy_params(ema_alpha=0.5)
+    assert snapshot.adaptive.policy.strategy == "positional"
+    assert snapshot.adaptive.policy.candidate_k == (0, 1, 2, 3, 4, 5, 7)
     assert snapshot.adaptive.enabled is True and snapshot.adaptive.initial_k is None
     assert snapshot.engine.target == tmp_path / "models" / "target"
     assert snapshot.engine.max_batch_size == 8 and snapshot.server.port == 8000

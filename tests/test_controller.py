@@ -10,16 +10,17 @@ from dataclasses import replace
 import pytest
 from structlog.testing import capture_logs
 
+from control.schema import policy_params
 from engine.controller import Controller, Force, Pin, SetParams, Unpin
 from engine.core import Engine
 from engine.drafters.draft_model import DraftModelDrafter, HybridDrafter
 from engine.generate import generate
-from engine.policy import EmaPolicy, MeasuredPolicy, PolicyParams, PositionalPolicy
+from engine.policy import EmaPolicy, MeasuredPolicy, PositionalPolicy
 from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.test_speculative import PROMPTS
 
-FAST = PolicyParams(candidate_k=(1, 3, 7), warmup_batches=2, update_interval=1, ema_alpha=0.5)
+FAST = policy_params(strategy="ema", warmup_batches=2, update_interval=1, ema_alpha=0.5)
 
 
 def make(pair, params=FAST, steps=(0, 1, 2, 3, 5, 7), **kwargs) -> Controller:
@@ -82,6 +83,15 @@ def test_an_operator_switch_is_logged_at_info(pair):
         controller.apply(Pin(0 if controller.k else 1))
     [event] = [e for e in logs if e["event"] == "switch"]
     assert event["reason"] == "pin" and event["log_level"] == "info"
+    assert isinstance(event["ema"], float)  # the ema strategy's
+
+
+def test_a_switch_names_no_ema_where_the_policy_keeps_none(pair):
+    controller = make(pair, policy_params(strategy="positional", candidate_k=(0, 2, 5)))  # starts at 2
+    with capture_logs() as logs:
+        controller.apply(Pin(5))
+    [event] = [e for e in logs if e["event"] == "switch"]
+    assert set(event) == {"event", "log_level", "from", "to", "reason", "round"}
 
 
 def test_pin_holds_k_while_the_policy_keeps_observing_and_unpin_resumes(pair):
@@ -211,7 +221,7 @@ def test_timing_every_state_before_serving_leaves_the_engine_as_it_found_it(pair
     assert {k: (s.stats.rounds, s.stats.tokens) for k, s in engine.states.items()} == stats
     assert drafter.lookups.history.texts == history and drafter.lookups.enabled
     assert engine.states[5].round_seconds == {1: profile[5, 1], 3: profile[5, 3]}
-    controller = Controller(engine, PolicyParams(strategy="positional", candidate_k=(0, 2, 5)))
+    controller = Controller(engine, policy_params(strategy="positional", candidate_k=(0, 2, 5)))
     # The policy prices every k that drafts by it from the start (k = 0 by its own rounds).
     assert controller.policy.profile == {(k, b): seconds for (k, b), seconds in profile.items() if k > 0}
     requests = [Request(tuple(p), params) for p in PROMPTS]

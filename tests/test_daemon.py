@@ -204,6 +204,7 @@ def test_ready_then_status_shows_the_running_state(daemon):
     status = daemon.status()
     assert status["candidate_k"] == [1, 3, 7] and status["slots"] == []
     assert status["mode"] == "adaptive" and status["strategy"] == "ema" and status["drafter"] == "hybrid"
+    assert isinstance(status["ema"], float)  # the ema strategy's, which other strategies do not keep
     assert status["k"] == 7 and status["generation"] == 1 and status["config_warnings"] == []
     assert [s["k"] for s in status["runtime_states"]] == [1, 3, 7]
     assert all(s["build_seconds"] > 0 for s in status["runtime_states"])
@@ -313,7 +314,7 @@ def test_save_by_rename_edit_applies_within_two_seconds(daemon):
     status = daemon.wait_for(
         lambda: (s := daemon.status())["generation"] == before + 1 and s, 2.0, "the renamed file to apply"
     )
-    assert status["strategy"] == "measured"
+    assert status["strategy"] == "measured" and "ema" not in status
 
 
 @pytest.mark.parametrize(

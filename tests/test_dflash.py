@@ -226,11 +226,11 @@ def test_a_confidence_floor_verifies_only_the_drafts_the_drafter_is_sure_of(pair
 
 
 def test_the_floor_applies_while_the_policy_adapts_never_to_a_pinned_k(pair):
+    from control.schema import policy_params
     from engine.controller import Controller, Pin, Unpin
-    from engine.policy import PolicyParams
 
     target, _ = pair
-    params = PolicyParams(strategy="measured", candidate_k=(0, 2, 5), draft_confidence=0.5)
+    params = policy_params(strategy="measured", candidate_k=(0, 2, 5), draft_confidence=0.5)
     controller = Controller(engine_for(target, 4, (0, 2, 5)), params)
     floors = []  # the floor each round ran with: the rule the controller passed the engine
     step = controller.engine.step

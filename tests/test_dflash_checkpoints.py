@@ -78,7 +78,8 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
 @pytest.mark.parametrize("kind", ["dflash", "hybrid_dflash"])
 def test_the_config_the_daemon_and_the_benches_take_the_dflash_drafter(pair, tmp_path, kind):
     from control.assemble import build_controller, load_models
-    from control.config import ConfigError, load_config
+    from control.issues import ConfigError
+    from control.load import load_config
     from engine.controller import Controller
 
     target, _ = pair
@@ -108,7 +109,7 @@ def bench_modes_naming(kind: str, target, folder):
     Both drafters must be saved there already."""
     from bench import spec
     from control.assemble import load_models
-    from control.config import load_config
+    from control.load import load_config
 
     config = folder / "config.toml"
     config.write_text(

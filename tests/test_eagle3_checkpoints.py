@@ -219,7 +219,8 @@ def test_checkpoint_round_trip_and_every_mismatch_named(pair, tmp_path):
 @pytest.mark.parametrize("kind", ["eagle3", "hybrid_eagle3"])
 def test_the_config_the_daemon_and_the_benches_take_the_eagle3_drafter(pair, tmp_path, kind):
     from control.assemble import build_controller, load_models
-    from control.config import ConfigError, load_config
+    from control.issues import ConfigError
+    from control.load import load_config
 
     target, _ = pair
     save_eagle3(head_for(target.model), tmp_path / "head")

@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.config import ConfigError, parse_config
+from control.issues import ConfigError
+from control.load import parse_config
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
 from engine.sampling import SamplingParams

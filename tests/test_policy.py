@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine.policy import BatchSlot, EmaPolicy, Observation, PolicyParams, SlottedPolicy, make_policy, snap
+from control.schema import policy_params
+from engine.policy import BatchSlot, EmaPolicy, Observation, SlottedPolicy, make_policy, snap
 
-DEFAULTS = PolicyParams()
+DEFAULTS = policy_params(strategy="ema")
 
 
 def batch(k: int, accepted: list[int], draft_seconds: float = 0.0, verify_seconds: float = 0.0) -> Observation:
@@ -43,6 +44,17 @@ def test_initial_steps_snap_to_nearest_candidate_ties_to_larger(initial, expecte
 
 def test_ema_starts_at_k_minus_one():
     assert EmaPolicy(DEFAULTS, 3).ema == 2.0
+
+
+@pytest.mark.parametrize("strategy", ["measured", "positional"])
+def test_only_the_ema_strategy_reports_an_ema(strategy):
+    slots = (BatchSlot(4, (0, 1)),)
+    for params in (policy_params(strategy=strategy), policy_params(strategy=strategy, slots=slots)):
+        policy = make_policy(params, 3)
+        for _ in range(20):
+            policy.observe(batch(policy.k, [policy.k, 0]))
+        assert policy.ema is None
+    assert make_policy(policy_params(strategy="ema", slots=slots), 3).ema == 2.0
 
 
 def test_no_decision_during_warmup_then_one_every_interval():
@@ -155,18 +167,19 @@ def test_new_alpha_keeps_the_ema_and_a_new_candidate_list_snaps_k():
 
 def test_invalid_params_are_refused_with_reasons():
     with pytest.raises(ValueError, match="candidate_k must not be empty"):
-        PolicyParams(candidate_k=())
+        policy_params(candidate_k=())
     with pytest.raises(ValueError, match="ema_alpha must be in"):
-        PolicyParams(ema_alpha=0)
+        policy_params(ema_alpha=0)
     with pytest.raises(ValueError, match="strategy must be"):
-        PolicyParams(strategy="magic")
+        policy_params(strategy="magic")
 
 
 # ---- slots -----------------------------------------------------------------------------------
 
 
 def test_batch_size_slots_keep_separate_candidates_and_state():
-    params = PolicyParams(
+    params = policy_params(
+        strategy="ema",
         candidate_k=(1, 3, 7),
         slots=(BatchSlot(1, (1, 3, 7)), BatchSlot(4, (0, 1))),
         warmup_batches=0,

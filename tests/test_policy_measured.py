@@ -7,9 +7,10 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from engine.policy import MeasuredPolicy, Observation, PolicyParams, make_policy
+from control.schema import policy_params
+from engine.policy import MeasuredPolicy, Observation, make_policy
 
-LADDER = PolicyParams(strategy="measured", candidate_k=(0, 1, 2, 3, 5, 7))
+LADDER = policy_params(strategy="measured", candidate_k=(0, 1, 2, 3, 5, 7))
 
 
 def traffic(acceptance: float, draft_step: float = 0.0004, verify_token: float = 0.0002) -> Callable:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from engine.policy import Observation, PolicyParams, PositionalPolicy, make_policy
+from control.schema import policy_params
+from engine.policy import Observation, PositionalPolicy, make_policy
 from engine.policy import positional as policy_module
 from tests.test_policy_measured import best_static, rate, run, tokens_per_second, traffic
 
-LADDER = PolicyParams(strategy="positional", candidate_k=(0, 1, 2, 3, 4, 5, 7))
+LADDER = policy_params(strategy="positional", candidate_k=(0, 1, 2, 3, 4, 5, 7))
 
 
 def test_from_a_new_engine_it_serves_about_as_fast_as_the_best_static_k():

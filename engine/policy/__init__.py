@@ -25,7 +25,7 @@ from __future__ import annotations
 from engine.policy.contracts import Decision, Observation, Policy, RoundProfile, snap
 from engine.policy.ema import EmaPolicy
 from engine.policy.measured import STALL_FACTOR, MeasuredPolicy, window_rate
-from engine.policy.params import DEFAULT_CANDIDATES, BatchSlot, PolicyParams
+from engine.policy.params import STRATEGY_NAMES, BatchSlot, PolicyParams
 from engine.policy.positional import PositionalPolicy
 from engine.policy.slots import STRATEGIES, SlottedPolicy
 
@@ -37,8 +37,8 @@ def make_policy(params: PolicyParams, initial_k: int | None = None, profile: Rou
 
 
 __all__ = [
-    "DEFAULT_CANDIDATES",
     "STALL_FACTOR",
+    "STRATEGY_NAMES",
     "BatchSlot",
     "Decision",
     "EmaPolicy",

@@ -45,7 +45,6 @@ class Observation:
 class Decision:
     k: int
     reason: str  # "up", "down", "probe", "measured", "batch", "slot"
-    ema: float
 
 
 class Policy(Protocol):
@@ -56,7 +55,9 @@ class Policy(Protocol):
     def k(self) -> int: ...
 
     @property
-    def ema(self) -> float: ...
+    def ema(self) -> float | None:
+        """The acceptance EMA where the strategy keeps one (ema); None where it keeps none."""
+        ...
 
     def observe(self, observation: Observation) -> Decision | None: ...
 

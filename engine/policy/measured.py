@@ -85,14 +85,6 @@ class MeasuredPolicy(Schedule):
 
     blind_at_zero = False  # k = 0 is measured like any other k
 
-    @property
-    def ema(self) -> float:
-        """Accepted drafts per sequence and round of the current k's recent rounds."""
-        window = self.windows.get((self._k, self.batch_size))
-        if window is None or not window[0]:
-            return 0.0
-        return sum(r.tokens for r in window[0]) / (len(window[0]) * self.batch_size) - 1
-
     def current(self, k: int, batch_size: int) -> deque[Round] | None:
         """k's recent rounds at this batch size, while they are current."""
         window = self.windows.get((k, batch_size))

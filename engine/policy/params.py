@@ -13,39 +13,38 @@ class BatchSlot:
     candidate_k: tuple[int, ...]
 
 
-# Each strategy's candidates where none are configured: SGLang's for ema; for measured, which
-# tries only a k's neighbours, a ladder fine enough that a neighbour is a small step (4 was added
-# on the tuning half of the workload suite: at batch 1 the best k is often 4 or 5, and 3 and 5
-# were too far apart to climb between on a 2% margin; docs/benchmarks.md).
-DEFAULT_CANDIDATES = {"ema": (1, 3, 7), "measured": (0, 1, 2, 3, 4, 5, 7), "positional": (0, 1, 2, 3, 4, 5, 7)}
+# The strategies there are (each one's class: slots.STRATEGIES).
+STRATEGY_NAMES = ("measured", "positional", "ema")
 
 
 @dataclass(frozen=True)
 class PolicyParams:
-    strategy: str = "ema"  # "ema" or "measured"
-    candidate_k: tuple[int, ...] = (1, 3, 7)
-    ema_alpha: float = 0.2
-    warmup_batches: int = 10
-    update_interval: int = 5
-    up_hysteresis: float = 0.0
-    down_hysteresis: float = -0.25
-    slots: tuple[BatchSlot, ...] = ()
+    """What [adaptive] sets for the policy. Every field is required: the config schema
+    (control/schema.py) holds the one default of each, and `control.schema.policy_params` builds
+    params from those defaults for code that has no file."""
+
+    strategy: str
+    candidate_k: tuple[int, ...]
+    ema_alpha: float  # ema: the weight of the newest round in its acceptance EMA
+    warmup_batches: int
+    update_interval: int
+    up_hysteresis: float  # ema
+    down_hysteresis: float  # ema
+    slots: tuple[BatchSlot, ...]
     # ema: at k = 0 nothing is drafted, so nothing is learnt: every probe_interval rounds, try the
-    # smallest k > 0 for a while. measured: the fewest rounds between tries of a neighbour.
-    probe_interval: int = 10
-    # measured: keep a tried k only when it beat the one left by this fraction. 0.02 was chosen
-    # on the tuning half of the workload suite (docs/benchmarks.md).
-    switch_margin: float = 0.02
-    # measured: the share of serving time that tries of another k may lose. 0.01 was chosen on
-    # the tuning half of the workload suite (docs/benchmarks.md).
-    exploration: float = 0.01
-    # measured: each further try of a shorter neighbour that lost again waits this many times
-    # longer. 2 was chosen on the tuning half of the workload suite (docs/benchmarks.md).
-    exploration_backoff: float = 2.0
+    # smallest k > 0 for a while. measured and positional: the fewest rounds between tries of
+    # another k.
+    probe_interval: int
+    # measured: keep a tried k only when it beat the one left by this fraction; positional: move
+    # only to a k estimated this much faster.
+    switch_margin: float
+    # measured and positional: the share of serving time that tries of another k may lose.
+    exploration: float
+    # measured: each further try of a shorter neighbour that lost again waits this many times longer.
+    exploration_backoff: float
     # How sure the drafter must be of a draft for it to be verified (0: all k): a DFlash block's
     # running product of its positions' probabilities, an EAGLE-3 greedy chain's each draft.
-    # 0.1 was chosen on the tuning half of code-greedy for each (docs/benchmarks.md).
-    draft_confidence: float = 0.1
+    draft_confidence: float
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -54,8 +53,8 @@ class PolicyParams:
 
     def problems(self) -> list[str]:
         out = []
-        if self.strategy not in DEFAULT_CANDIDATES:
-            out.append(f"strategy must be one of {', '.join(DEFAULT_CANDIDATES)}, got {self.strategy!r}")
+        if self.strategy not in STRATEGY_NAMES:
+            out.append(f"strategy must be one of {', '.join(STRATEGY_NAMES)}, got {self.strategy!r}")
         for name, ks in [("candidate_k", self.candidate_k)] + [
             (f"slots[{i}].candidate_k", s.candidate_k) for i, s in enumerate(self.slots)
         ]:

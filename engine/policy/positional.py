@@ -92,11 +92,6 @@ class PositionalPolicy(Schedule):
         self.timed_size_for: dict[int, int] = {}  # batch size -> the timed batch size it is priced at
         self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
 
-    @property
-    def ema(self) -> float:
-        """Accepted drafts a sequence is expected to keep a round at the current k."""
-        return self.tokens(self._k) - 1
-
     def keep_chances(self) -> list[float]:
         """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
         chances, survive, previous = [1.0], 1.0, 0.5

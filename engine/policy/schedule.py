@@ -50,9 +50,9 @@ class Schedule:
         return self._k
 
     @property
-    def ema(self) -> float:
-        """Expected accepted drafts per round at the current k."""
-        raise NotImplementedError
+    def ema(self) -> float | None:
+        """The acceptance EMA where the strategy keeps one (ema); None where it keeps none."""
+        return None
 
     @property
     def probe_spacing(self) -> int:
@@ -73,7 +73,7 @@ class Schedule:
     def move(self, k: int, reason: str) -> Decision:
         self._k = k
         self.rounds_at_zero = 0
-        return Decision(k, reason, self.ema)
+        return Decision(k, reason)
 
     def observe(self, observation: Observation) -> Decision | None:
         if not observation.accepted:

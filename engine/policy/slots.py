@@ -45,7 +45,7 @@ class SlottedPolicy:
         return self.slots[self.active].candidates
 
     @property
-    def ema(self) -> float:
+    def ema(self) -> float | None:
         return self.slots[self.active].ema
 
     def observe(self, observation: Observation) -> Decision | None:
@@ -56,7 +56,7 @@ class SlottedPolicy:
         self.active = slot
         decision = self.slots[slot].observe(observation)
         if decision is None and moved:
-            return Decision(self.k, "slot", self.ema)
+            return Decision(self.k, "slot")
         return decision
 
     def set_k(self, k: int) -> None:

@@ -1,0 +1,68 @@
+"""Whether the checkpoints a configuration names are in place, read without loading any weights."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from control.issues import ConfigIssue
+from engine.model.config import (
+    DFLASH_KINDS,
+    DRAFT_MODEL_KINDS,
+    EAGLE3_KINDS,
+    CheckpointError,
+    ModelConfig,
+    inspect_checkpoint,
+    tokenizer_vocabulary,
+)
+
+
+def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
+    """Whether the target, and the draft where the drafter runs one, are checkpoint directories
+    (config.json of a supported architecture, weights, tokenizer.json), and the draft shares the
+    target's tokenizer; read without loading any weights."""
+    issues: list[ConfigIssue] = []
+    found = {}
+    names = ["engine.target"]
+    if values.get("engine.drafter") in DRAFT_MODEL_KINDS:
+        names.append("engine.draft")
+    for name in names:
+        if values.get(name) is None:
+            continue  # invalid itself: already reported
+        try:
+            found[name] = (values[name], inspect_checkpoint(values[name]))
+        except CheckpointError as err:
+            issues.append(ConfigIssue(name, str(err)))
+    # The drafters fed the target's hidden states: their checkpoint, checked against the target,
+    # the weights by their file's header.
+    for kinds, name in ((DFLASH_KINDS, "engine.dflash"), (EAGLE3_KINDS, "engine.eagle3")):
+        path = values.get(name)
+        if values.get("engine.drafter") in kinds and "engine.target" in found and path is not None:
+            try:
+                _inspect_drafter(name, path, found["engine.target"][1])
+            except CheckpointError as err:
+                issues.append(ConfigIssue(name, str(err)))
+    if len(found) == 2:
+        (target, target_config), (draft, draft_config) = found["engine.target"], found["engine.draft"]
+        same_vocabulary = tokenizer_vocabulary(draft) == tokenizer_vocabulary(target)
+        if draft_config.vocab_size != target_config.vocab_size or not same_vocabulary:
+            issues.append(
+                ConfigIssue(
+                    "engine.draft",
+                    f"{draft} does not share the target's tokenizer (vocabulary of {draft_config.vocab_size}, "
+                    f'the target {target_config.vocab_size}): pick a draft of the same family, or drafter = "ngram"',
+                )
+            )
+    return issues
+
+
+def _inspect_drafter(name: str, path: Path, target: ModelConfig) -> None:
+    """The feature drafter `name` configures, checked against the target by its config and its
+    weights' header. Its module (which needs torch) is imported only where one is configured, so
+    a check of any other config stays quick."""
+    if name == "engine.dflash":
+        from engine.model.dflash import inspect_dflash_weights as inspect
+    else:
+        from engine.model.eagle3 import inspect_eagle3_weights as inspect
+    inspect(path, target)
