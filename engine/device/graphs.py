@@ -24,9 +24,10 @@ What is captured, and who owns it:
   forward: `CallGraphs` captures any such function of static inputs, one graph per bucket, shared
   by every state like the draft model's steps. An EAGLE-3 head's greedy chain of k drafts is
   also captured whole, owned by state k: one replay a round, the argmax of each step feeding the
-  next on the device. A DFlash drafter's extend after a verify of k + 1 tokens is owned by state
-  k too (positions past a sequence's kept ones write its scratch position). The EAGLE-3 head's
-  extend (the positions held since it last drafted, any number) runs eagerly, as prefill does.
+  next on the device. Each feature drafter's extend after a verify of k + 1 tokens is owned by
+  state k too (positions past a sequence's kept ones write its scratch position); an EAGLE-3
+  head's extend of anything else held (a prompt, rounds at k = 0 since) runs eagerly, as prefill
+  does. Each drafter captures its own (`Drafter.capture`).
 
 Guards: a graph is only replayed for a batch of the same mode and the same hidden-capture layers,
 whose widest row and batch size fit (padded) the graph's; anything else runs eagerly. A verify of
