@@ -14,9 +14,10 @@ from control.schema import policy_params
 from engine.controller import Controller, Force, Pin, SetParams, Unpin
 from engine.core import Engine
 from engine.drafters.draft_model import DraftModelDrafter, HybridDrafter
+from engine.drafters.ngram import NgramDrafter
 from engine.generate import generate
 from engine.policy import EmaPolicy, MeasuredPolicy, PositionalPolicy
-from engine.request import Request
+from engine.request import Request, Sequence
 from engine.sampling import SamplingParams
 from tests.test_speculative import PROMPTS
 
@@ -252,3 +253,37 @@ def test_timing_fits_any_vocabulary_and_a_short_max_seq_len(tiny_vocab_pair):
     profile = engine.time_rounds([1, 2])
     assert set(profile) == {(k, b) for k in (0, 1, 3) for b in (1, 2)}
     assert not engine.has_work and engine.round == 0
+
+
+def test_the_ngram_drafter_is_timed_at_every_k_s_full_width_and_then_drafts_as_before(pair):
+    """Lookups may find little in the timed text: each timed round still verifies its full k, so
+    a long k is not priced at the cost of a short one; serving afterwards proposes lookups alone."""
+    target, _ = pair
+    drafter = NgramDrafter(1, 3, history=4096)
+    engine = Engine(target, drafter, 2, 128, (0, 2, 5))
+    unmatched = Request((1, 2, 3, 4, 5), SamplingParams(max_tokens=8))  # no n-gram of it repeats
+    seq = Sequence(request=unmatched, slot=0, generator=None, tokens=list(unmatched.prompt))
+    drafter.admit([seq])
+    assert drafter.propose([seq], [5])[0].tokens == []
+    with drafter.timing():
+        assert len(drafter.propose([seq], [5])[0].tokens) == 5
+        assert drafter.history is None
+    drafter.release(seq)
+
+    widths: dict[int, set[int]] = {}
+    verify = engine.verify
+
+    def recording(seqs, proposals, state=None):
+        full = [len(p.tokens) for p, s in zip(proposals, seqs) if s.remaining > state.k]
+        widths.setdefault(state.k, set()).update(full)
+        return verify(seqs, proposals, state)
+
+    engine.verify = recording
+    engine.time_rounds([1, 2], rounds=3)
+    assert widths == {0: {0}, 2: {2}, 5: {5}}
+    assert not drafter.full_width and drafter.history is not None
+    widths.clear()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
+    outputs = engine.run_until_done(requests, 5)
+    assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]

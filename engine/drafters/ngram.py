@@ -150,6 +150,7 @@ class NgramDrafter(Drafter):
         self.indexes: dict[Sequence, NgramIndex] = {}
         self.history = LookupHistory(history) if history > 0 else None
         self.enabled = True  # False while the engine times what a hybrid's model costs
+        self.full_width = False  # True while the engine times what each k costs (`timing`)
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         for seq in seqs:
@@ -157,7 +158,13 @@ class NgramDrafter(Drafter):
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int], rule: ConfidenceRule = EVERY_DRAFT) -> list[Proposal]:
         # Deterministic: the drafter's distribution is one-hot.
-        return [Proposal(self.lookup(seq, k)[0]) for seq, k in zip(seqs, ks)]
+        proposals = [Proposal(self.lookup(seq, k)[0]) for seq, k in zip(seqs, ks)]
+        if self.full_width:
+            # A timed round verifies all k drafts, what a round at k costs where lookups find them;
+            # what fills them matters not (a verify costs the same whatever its tokens say).
+            for proposal, k in zip(proposals, ks):
+                proposal.tokens += [0] * (k - len(proposal.tokens))
+        return proposals
 
     def lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """The sequence's own continuation, or an earlier sequence's where that matched longer
@@ -183,7 +190,18 @@ class NgramDrafter(Drafter):
 
     @contextmanager
     def timing(self) -> Iterator[None]:
-        """The timed sequences look in no earlier text, and leave none behind."""
+        """Each timed round drafts its full k (the timed text repeats little, so lookups would
+        find few drafts and a long k would be timed at the cost of a short one), and the timed
+        sequences look in no earlier text, and leave none behind."""
+        self.full_width = True
+        try:
+            with self.no_history():
+                yield
+        finally:
+            self.full_width = False
+
+    @contextmanager
+    def no_history(self) -> Iterator[None]:
         saved, self.history = self.history, None
         try:
             yield
@@ -223,7 +241,7 @@ class LookupFirst:
         says how often they will match."""
         self.lookups.enabled = False
         try:
-            with self.lookups.timing(), super().timing():  # type: ignore[misc]
+            with self.lookups.no_history(), super().timing():  # type: ignore[misc]
                 yield
         finally:
             self.lookups.enabled = True
