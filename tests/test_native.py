@@ -138,14 +138,19 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_library_is_built_once_into_the_cache_directory(tmp_path):
-    code = "from engine.native.build import library, problem; lib = library(); print(lib is not None, problem())"
+def test_the_library_is_built_once_into_the_cache_directory_and_the_build_is_logged_before_it_runs(tmp_path):
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO); "
+        "from engine.native.build import library, problem; lib = library(); print(lib is not None, problem())"
+    )
     first = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path))
     assert first.stdout.split()[0] == "True", first.stderr
     [built] = tmp_path.glob("kernels-*.so")
+    assert "compiling the CPU kernels" in first.stderr and str(built) in first.stderr
     stamp = built.stat().st_mtime_ns
     again = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path))
     assert again.stdout.split()[0] == "True", again.stderr
+    assert "compiling" not in again.stderr  # the cached library is loaded, nothing compiled
     assert [p.name for p in tmp_path.iterdir()] == [built.name] and built.stat().st_mtime_ns == stamp
 
 

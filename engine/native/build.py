@@ -92,6 +92,8 @@ def _build(source: Path = SOURCE) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Said before it starts: on a first start the compiler runs for seconds inside a model's load.
+    log.info("compiling the CPU kernels (once per machine and source): %s -> %s", compiler, target)
     # Built beside its final name and renamed into place: a concurrent build never sees half a file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
