@@ -18,6 +18,7 @@ from control.issues import ConfigError, ConfigIssue
 from control.model_checks import model_issues
 from control.schema import POLICY_FIELDS, RENAMED, RETIRED_KEYS, SCHEMA, SLOT_KEYS, Key, key_at, key_paths
 from control.snapshot import ConfigSnapshot
+from control.toml_errors import explain
 from control.values import InvalidValue, check_value, describe, suggest
 from engine.policy import BatchSlot, PolicyParams
 
@@ -90,11 +91,15 @@ def _read_toml(text: str | bytes) -> dict[str, Any]:
                 line, column = int(found[1]), int(found[2])
             else:
                 line, column = len(lines), len(lines[-1]) + 1
-        where = f"line {line}, column {column}: " if line is not None else ""
-        # The line itself names the key (tomllib's "Cannot overwrite a value" does not).
-        shown = lines[line - 1].strip() if line is not None and 0 < line <= len(lines) else ""
-        quoted = f" at `{shown}`" if shown else ""
-        raise ConfigError([ConfigIssue("<toml>", f"{where}{message}{quoted}")]) from None
+        at_end = bool(found and not found[1])
+        explained = explain(lines, line, at_end) if line is not None else None
+        if explained is None:
+            where = f"line {line}, column {column}: " if line is not None else ""
+            # The line itself names the key (tomllib's "Cannot overwrite a value" does not).
+            shown = lines[line - 1].strip() if line is not None and 0 < line <= len(lines) else ""
+            quoted = f" at `{shown}`" if shown else ""
+            explained = f"{where}{message}{quoted}"
+        raise ConfigError([ConfigIssue("<toml>", explained)]) from None
 
 
 def _rename_old_keys(document: dict[str, Any], issues: list[ConfigIssue]) -> list[str]:

@@ -58,6 +58,15 @@ def set_level(level: str) -> None:
     global _level
     _level = level_number(level)
     logging.getLogger().setLevel(_level)
+    logging.getLogger("watchfiles").setLevel(_watchfiles_level(_level))
+
+
+def _watchfiles_level(level: int) -> int:
+    """watchfiles' loggers (watchfiles.main, ...) log "1 change detected" at info for every save of
+    the config, which the reload's own line already reports: shown only at level debug. Their
+    debug lines never: they name every change in the folders watched, a log file there included,
+    so each would be a change that writes another."""
+    return logging.INFO if level <= logging.DEBUG else max(level, logging.WARNING)
 
 
 def get_level() -> str:

@@ -110,7 +110,8 @@ class Daemon:
                 tg.cancel_scope.cancel()
                 return 1
             server = self.snapshot.server
-            front = Front()
+            # Its 503s while starting are counted and name the phase `adaspecctl status` names.
+            front = Front(metrics, phase=lambda: startup.status()["phase"])
             http = HttpServer(front, server.host, server.port)
             try:
                 commands.http = await tg.start(http.serve)

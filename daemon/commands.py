@@ -12,9 +12,10 @@ import anyio
 from control.admin import AdminError, Peer
 from control.bounded import clip
 from control.snapshot import effective
-from daemon.reload import Reloader
+from daemon.reload import Reloader, iso_time
 from daemon.startup import Startup
 from engine.controller import FORCE_NEEDS_ADAPTING, Ack
+from engine.device.backend import Backend
 from engine.loop import EngineLoop
 
 APPLY_TIMEOUT_S = 30.0
@@ -73,6 +74,7 @@ class AdminCommands:
         snapshot = self.reloader.snapshot
         last = self.reloader.last
         drafter = self.loop.engine.drafter  # chosen at start-up, never changed while serving
+        measured = accounts_memory(self.loop.engine.backend)
         return {
             "state": "serving",
             "drafter": drafter.name if drafter is not None else "none",
@@ -92,7 +94,7 @@ class AdminCommands:
             "last_reload": {
                 "ok": last.ok,
                 "trigger": last.trigger,
-                "at": last.at,
+                "at": iso_time(last.at),
                 "generation": last.generation,
                 "errors": list(last.errors),
                 "unchanged": last.unchanged,
@@ -104,7 +106,8 @@ class AdminCommands:
                 {
                     "k": s.k,
                     "build_seconds": round(s.build_seconds, 4),
-                    "memory_bytes": s.memory_bytes,
+                    # null where the backend does not account memory (a CPU): not measured, not 0
+                    "memory_bytes": s.memory_bytes if measured else None,
                     # what a round costs at each batch size, timed before serving: what the policy
                     # prices a k it has not served lately by
                     "round_ms": {str(b): round(seconds * 1e3, 3) for b, seconds in s.round_seconds.items()},
@@ -174,6 +177,12 @@ class AdminCommands:
         if not outcome.ok:
             raise AdminError("reload_rejected", "\n".join(outcome.errors))
         return outcome.as_dict()
+
+
+def accounts_memory(backend: Backend) -> bool:
+    """Whether `backend` measures device memory: the base backend (the CPU's) reports 0 from
+    `memory_reserved` whatever is held, so a runtime state's memory there is not known."""
+    return type(backend).memory_reserved is not Backend.memory_reserved
 
 
 def _k_of(args: dict[str, Any]) -> int:

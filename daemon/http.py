@@ -19,7 +19,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -123,24 +123,37 @@ class Submission:
 
 class Front:
     """What the HTTP port serves: while the models load, 503 to every request (`starting`; /health
-    as {"status": "starting"}), then the API once `attach` hands it over. Listening from the start
-    lets probes tell a daemon that is loading from one that is gone, and a taken port stop the
-    start before the models load."""
+    as {"status": "starting", "phase": ...}), then the API once `attach` hands it over. Listening
+    from the start lets probes tell a daemon that is loading from one that is gone, and a taken port
+    stop the start before the models load.
 
-    def __init__(self) -> None:
+    `phase`: the start-up phase in progress, as `adaspecctl status` names it (None between two);
+    `metrics`: where those 503s are counted, as the API counts its answers."""
+
+    def __init__(self, metrics: Metrics | None = None, phase: Callable[[], str | None] | None = None) -> None:
         self.app: ASGIApp | None = None
+        self.phase = phase
+        self._starting: ASGIApp = self._answer_starting
+        if metrics is not None:
+            self._starting = MetricsMiddleware(self._answer_starting, metrics=metrics, endpoints=ENDPOINTS)
 
     def attach(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.app is not None:
-            await self.app(scope, receive, send)
-            return
+        await (self.app if self.app is not None else self._starting)(scope, receive, send)
+
+    async def _answer_starting(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        err = _unavailable("the server is starting: its models are loading; retry later", "starting")
-        body = {"status": "starting"} if scope["path"] == "/health" else err.body()
+        message = "the server is starting: its models are loading"
+        health: dict[str, Any] = {"status": "starting"}
+        if self.phase is not None:
+            phase = self.phase()
+            message += f" (phase: {phase or 'between phases'})"
+            health["phase"] = phase
+        err = _unavailable(f"{message}; retry later", "starting")
+        body = health if scope["path"] == "/health" else err.body()
         await JSONResponse(body, status_code=err.status, headers=err.headers)(scope, receive, send)
 
 
@@ -199,16 +212,17 @@ class OpenAIApi:
             raise ApiError(404, message, param="model", code="model_not_found")
         prompt = self._prompt_ids(req)
         prompt_param = "messages" if req.chat else "prompt"
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.max_seq_len - len(prompt))
+        if len(prompt) >= self.max_seq_len:  # the prompt alone fills the context, whatever max_tokens says
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_seq_len} tokens; the {prompt_param} alone "
+                f"{'take' if req.chat else 'takes'} {len(prompt)}, leaving none to generate. "
+                f"Shorten the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.max_seq_len - len(prompt)
         if len(prompt) + max_tokens > self.max_seq_len:
-            if req.max_tokens is None:  # the prompt alone fills the context
-                raise ApiError(
-                    400,
-                    f"This model's maximum context length is {self.max_seq_len} tokens; the "
-                    f"{prompt_param} take {len(prompt)}, leaving none to generate. Shorten the {prompt_param}.",
-                    param=prompt_param,
-                    code="context_length_exceeded",
-                )
             raise ApiError(
                 400,
                 f"This model's maximum context length is {self.max_seq_len} tokens; this request needs "

@@ -146,7 +146,10 @@ class _StateCollector(Collector):
             "adaspec_runtime_state_build_seconds", "Time taken to build the runtime state for k", labels=["k"]
         )
         memory = GaugeMetricFamily(
-            "adaspec_runtime_state_memory_bytes", "Memory held by the runtime state for k", labels=["k"]
+            "adaspec_runtime_state_memory_bytes",
+            "Device memory held by the runtime state for k (its captured graphs), in bytes; "
+            "not measured on a CPU, where it reads 0",
+            labels=["k"],
         )
         for state in status.states:
             build.add_metric([str(state.k)], state.build_seconds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -30,12 +31,18 @@ log = structlog.get_logger("adaspec.reload")
 APPLY_TIMEOUT_S = 30.0
 
 
+def iso_time(epoch: float) -> str:
+    """A `time.time()` value as ISO 8601 in UTC with its offset, to the millisecond
+    ("2026-11-28T18:20:05.123+00:00"): what status and reload replies show for a moment."""
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds")
+
+
 @dataclass(frozen=True)
 class ReloadOutcome:
     ok: bool
     trigger: str
     generation: int
-    at: float = field(default_factory=time.time)
+    at: float = field(default_factory=time.time)  # time.time(); shown as ISO 8601 (iso_time)
     errors: tuple[str, ...] = ()
     applied: tuple[str, ...] = ()  # live keys now in force
     restart_required: tuple[str, ...] = ()  # changed keys that only a restart applies
@@ -47,7 +54,7 @@ class ReloadOutcome:
             "ok": self.ok,
             "trigger": self.trigger,
             "generation": self.generation,
-            "at": self.at,
+            "at": iso_time(self.at),
             "errors": list(self.errors),
             "applied": list(self.applied),
             "restart_required": list(self.restart_required),

@@ -8,7 +8,6 @@ change to any of those links counts too, and the folders watched follow the link
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,9 +37,7 @@ def links_to(path: Path) -> tuple[Path, frozenset[Path]]:
 async def watch_config(path: Path, changed: Callable[[], Awaitable[object]]) -> None:
     """Call `changed` after each change to the file at `path` or to a link on the way to it;
     returns only when cancelled."""
-    # The watcher's own debug lines name every change in the folders it watches, a log file there
-    # included: at level debug each of its lines would be a change that writes another.
-    logging.getLogger("watchfiles").setLevel(logging.INFO)
+    # watchfiles' loggers are held at warning (info at level debug) by control/logs.py's set_level.
     while True:
         target, links = links_to(path)
         names = {str(p) for p in (target, *links)}

@@ -401,17 +401,6 @@ candidate_k = [1, 6]
     }
 
 
-def test_toml_syntax_error_reports_its_line(tmp_path):
-    issues = issues_of(tmp_path, "[engine]\nmax_steps = 4\nport 8000\n")
-    assert list(issues) == ["<toml>"]
-    assert issues["<toml>"].startswith("line 3, column ")
-    # tomllib places some errors "at end of document"; they still get a line.
-    assert issues_of(tmp_path, "[engine]\nmax_steps = [1,\n")["<toml>"].startswith("line 3, column 1: ")
-    # A key given twice: the message quotes the line, which names the key.
-    twice = issues_of(tmp_path, "[adaptive]\nema_alpha = 0.2\nema_alpha = 0.3\n")["<toml>"]
-    assert twice.startswith("line 3, column ") and twice.endswith("at `ema_alpha = 0.3`")
-
-
 def test_a_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "absent.toml")

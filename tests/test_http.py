@@ -22,8 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.text import TextStream
-from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.chat_template import ChatTemplate
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.generate import generate
 from engine.sampling import SamplingParams
@@ -282,6 +281,28 @@ def test_max_tokens_past_the_context_names_the_numbers(url, client):
         client.completions.create(model="gpt-4o", prompt="x")
 
 
+def test_a_prompt_alone_over_the_context_names_the_prompt_whatever_max_tokens_says(url, target):
+    """Issue 64: a prompt that fills the context by itself is the prompt's fault, max_tokens given
+    or not; max_tokens is named only when the prompt fits and the two together do not."""
+    (x,) = target.tokenizer.encode(" x", add_special_tokens=False).ids
+    chat = [{"role": "user", "content": " x" * 600}]
+    for path, body, param, size in (
+        ("/v1/completions", {"prompt": [x] * 512, "max_tokens": 4}, "prompt", 512),  # exactly the context
+        ("/v1/completions", {"prompt": [x] * 600, "max_tokens": 4}, "prompt", 600),
+        ("/v1/completions", {"prompt": [x] * 600}, "prompt", 600),  # the default max_tokens, 16
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 4}, "messages", None),
+    ):
+        message = assert_openai_error(httpx.post(f"{url}{path}", json=body), 400, "context_length_exceeded", param)
+        assert f"the {param} alone take" in message and "leaving none to generate" in message, message
+        assert "max_tokens" not in message
+        if size is not None:
+            assert f"take {size}," in message or f"takes {size}," in message
+    # The prompt fits (500 of 512); with max_tokens 20 the request does not: max_tokens is named.
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": [x] * 500, "max_tokens": 20})
+    message = assert_openai_error(response, 400, "context_length_exceeded", "max_tokens")
+    assert "needs 520 (500 in the prompt, max_tokens 20)" in message
+
+
 def test_a_client_that_disconnects_has_its_request_cancelled(daemon, url):
     body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
     before = daemon.status()["tokens"]
@@ -318,63 +339,6 @@ def test_metrics_parse_and_move_with_requests(url, client):
     assert moved("adaspec_accepted_drafts_count") == response.to_dict()["adaspec"]["rounds"]
     assert set(STATE_METRICS) <= {name for name, _ in after}
     assert total(after, "adaspec_k") in {1, 3, 7}
-
-
-def test_text_stream_never_splits_a_character_nor_sends_part_of_a_stop_string(target):
-    tokens = target.tokenizer.encode("naïve café: 世界, déjà vu. END of story").ids
-    full = target.tokenizer.decode(tokens)
-    for stop in ((), ("END",), ("ZZZ", "vu.")):
-        expected = full[: min([full.find(s) for s in stop if s in full], default=len(full))]
-        stream, sent = TextStream(target.tokenizer, stop), ""
-        for i, token in enumerate(tokens):  # one token per step, as speculation with k = 0 emits them
-            sent += stream.push([token], final=i == len(tokens) - 1)
-            assert expected.startswith(sent)  # nothing sent is ever taken back
-        assert sent == expected == stream.text
-
-
-def test_chat_template_from_the_checkpoint_or_the_plain_fallback(tmp_path):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert ChatTemplate.from_checkpoint(tmp_path).render(messages) == "system: Be brief.\nuser: Hi\nassistant: "
-    source = (
-        "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
-        "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    config = {"chat_template": source, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    template = ChatTemplate.from_checkpoint(tmp_path)
-    assert template.render(messages) == "<s><|system|>Be brief.\n<|user|>Hi\n<|assistant|>"
-    assert template.adds_special_tokens
-    with pytest.raises(ChatTemplateError, match="no tools"):
-        template.render([{"role": "tool", "content": "x"}])
-    # As transformers renders them: `tools` and `documents` are none, not undefined, and a
-    # message's name reaches the template.
-    source = "{% if tools is not none %}TOOLS{% endif %}{% for m in messages %}{{ m.name }}:{{ m.content }}{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
-    assert ChatTemplate.from_checkpoint(tmp_path).render([{"role": "user", "content": "Hi", "name": "ada"}]) == "ada:Hi"
-
-
-def test_chat_templates_get_what_transformers_gives_them(tmp_path):
-    hi = [{"role": "user", "content": "héllo"}]
-    # tojson with json.dumps' options, the special tokens besides bos and eos, the generation tag.
-    source = (
-        "{{ messages | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True) }}|{{ pad_token }}|"
-        "{% generation %}{{ messages[0].content }}{% endgeneration %}"
-    )
-    config = {"chat_template": source, "pad_token": {"content": "<pad>"}, "eos_token": "</s>"}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    rendered = ChatTemplate.from_checkpoint(tmp_path).render(hi)
-    assert rendered == '[{"content":"h\\u00e9llo","role":"user"}]|<pad>|héllo'
-    # A chat_template.jinja beside the config's template is the one used, as transformers does.
-    (tmp_path / "chat_template.jinja").write_text("JINJA {{ messages[0].content }}")
-    assert ChatTemplate.from_checkpoint(tmp_path).render(hi) == "JINJA héllo"
-    # A template failing on the messages is the request's error, not the server's; one that cannot
-    # compile is named when the checkpoint is read.
-    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content + 1 }}")
-    with pytest.raises(ChatTemplateError, match="failed on the messages"):
-        ChatTemplate.from_checkpoint(tmp_path).render(hi)
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
-    with pytest.raises(ChatTemplateError, match="does not compile"):
-        ChatTemplate.from_checkpoint(tmp_path)
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(url):
@@ -419,10 +383,19 @@ def test_sigterm_refuses_new_requests_and_lets_in_flight_ones_finish(small):
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
+        before = metrics(url)
         small.process.send_signal(signal.SIGTERM)
         small.wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 5, "/health to report draining")
         assert httpx.get(f"{url}/health").json() == {"status": "draining"}
         assert_openai_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 503, "draining")
+        # The 503s of the drain are counted like every other answer.
+        during = metrics(url)
+        refused = {
+            endpoint: total(during, "adaspec_http_requests_total", endpoint=endpoint, status="503")
+            - total(before, "adaspec_http_requests_total", endpoint=endpoint, status="503")
+            for endpoint in ("/v1/completions", "/health")
+        }
+        assert refused["/v1/completions"] == 1 and refused["/health"] >= 2, refused  # /health: at least the last two
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
     assert small.process.wait(30) == 0

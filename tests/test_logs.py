@@ -106,6 +106,32 @@ def test_stdlib_records_share_the_format_and_level(restore_logging: None) -> Non
     assert slow["logger"] == "asyncio" and slow["event"].startswith("Executing <Task>")
 
 
+def test_watchfiles_info_lines_only_at_debug(restore_logging: None) -> None:
+    # "1 change detected" at info for every save of the config: noise, unless debugging.
+    out = io.StringIO()
+    watcher = logging.getLogger("watchfiles.main")
+    logs.configure_logging("info", "json", stream=out)
+    watcher.info("%d change%s detected", 1, "")
+    watcher.warning("rust notify timeout %d", 5)
+    logs.get_logger("adaspec.test").info("ours")
+    assert [event["event"] for event in json_lines(out.getvalue())] == ["rust notify timeout 5", "ours"]
+
+    out.seek(0)
+    out.truncate()
+    logs.set_level("debug")  # at run time, as a reloaded [logging] section sets it
+    watcher.info("%d change%s detected", 1, "")
+    watcher.debug("never: it names every change, a log file's too")
+    assert [(event["event"], event["level"]) for event in json_lines(out.getvalue())] == [("1 change detected", "info")]
+
+    out.seek(0)
+    out.truncate()
+    logs.configure_logging("error", "json", stream=out)
+    watcher.warning("below error")
+    logs.configure_logging("info", "json", stream=out)
+    watcher.info("%d change%s detected", 2, "s")
+    assert out.getvalue() == ""
+
+
 def test_console_format_and_bad_settings(restore_logging: None) -> None:
     out = io.StringIO()
     logs.configure_logging("info", "console", stream=out)
