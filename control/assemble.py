@@ -21,6 +21,7 @@ from engine.loop import EngineLoop, StepObserver
 from engine.model.config import DFLASH_KINDS, DRAFT_MODEL_KINDS, EAGLE3_KINDS
 from engine.model.dflash import DFlashModel, load_dflash
 from engine.model.eagle3 import Eagle3Model, load_eagle3
+from engine.native.build import library, pending_build
 
 # Wraps each slow phase of assembling an engine, named, so that start-up can report it.
 Phase = Callable[[str], AbstractContextManager[object]]
@@ -55,6 +56,10 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
     that compare drafters)."""
     settings = snapshot.engine
     kinds = {settings.drafter, *kinds}
+    build = pending_build() if settings.device == "cpu" else None
+    if build is not None:  # a first start on this machine: seconds of compiling, said as such
+        with phase(f"compile the CPU kernels: {build}"):
+            library()
     with phase(f"load target {settings.target}"):
         target = load_checkpoint(settings.target, settings.device, settings.dtype)
     draft = None
@@ -147,8 +152,9 @@ def build_controller(
     if len(engine.states) > 1:
         # What each k costs at each batch size, so that a policy need not serve a k to price it.
         sizes = default_batch_sizes(batch)
-        with phase(f"time the rounds of k={sorted(engine.states)} at batch sizes {sizes}"):
-            engine.time_rounds(sizes)
+        for size in sizes:  # a phase each: under a busy neighbour the whole can take a minute
+            with phase(f"time the rounds of k={sorted(engine.states)} at batch size {size} (of {sizes})"):
+                engine.time_rounds([size])
     return Controller(
         engine,
         adaptive.policy,

@@ -154,6 +154,23 @@ def test_the_library_is_built_once_into_the_cache_directory_and_the_build_is_log
     assert [p.name for p in tmp_path.iterdir()] == [built.name] and built.stat().st_mtime_ns == stamp
 
 
+def test_a_first_start_compiles_the_kernels_as_a_phase_of_its_own(tmp_path):
+    """Start-up names the compile as its phase (the compiler and the library it writes) before the
+    models load; a start that finds the library cached goes straight to loading them."""
+    code = (
+        "import contextlib; from control.load import load_config; from control.assemble import load_models\n"
+        "names = []\n"
+        "@contextlib.contextmanager\n"
+        "def phase(name):\n    names.append(name)\n    yield\n"
+        "load_models(load_config('config.toml'), phase); print(names[0])"
+    )
+    first = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path))
+    [built] = tmp_path.glob("kernels-*.so")
+    assert first.stdout.strip().startswith("compile the CPU kernels: ") and str(built) in first.stdout, first.stderr
+    again = run_python(code, ADASPEC_CACHE_DIR=str(tmp_path))
+    assert again.stdout.strip().startswith("load target "), again.stderr
+
+
 @pytest.mark.parametrize("env", [{"CC": "false"}, {"ADASPEC_NATIVE": "0"}], ids=["no compiler", "disabled"])
 def test_without_the_kernels_models_run_on_pytorch_operators(tmp_path, env):
     path = save_tiny(tiny_hf_model("llama", vocab_size=64), tmp_path / "tiny")

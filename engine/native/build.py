@@ -76,8 +76,21 @@ def problem() -> str | None:
     return _problem
 
 
-def _build(source: Path = SOURCE) -> Path:
-    """The kernels compiled from `source`, cached by its text, the compiler and the CPU."""
+def pending_build() -> str | None:
+    """What a first `library()` call will compile ("COMPILER -> LIBRARY"), where it will; None where
+    the library is loaded or cached already, or cannot be built (`library()` then says why)."""
+    if _library is not None or _problem is not None or os.environ.get("ADASPEC_NATIVE", "1") == "0":
+        return None
+    try:
+        compiler, target = _compiler_and_target(SOURCE)
+    except RuntimeError:
+        return None
+    return None if target.exists() else f"{compiler} -> {target}"
+
+
+def _compiler_and_target(source: Path) -> tuple[str, Path]:
+    """The C compiler, and the cached library compiled from `source`, keyed by its text, the
+    header's, the compiler and the CPU."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
@@ -88,7 +101,12 @@ def _build(source: Path = SOURCE) -> Path:
     key = hashlib.sha256(
         "\0".join([source.read_text(), HEADER.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode()
     )
-    target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
+    return compiler, cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
+
+
+def _build(source: Path = SOURCE) -> Path:
+    """The kernels compiled from `source`, or the cached library."""
+    compiler, target = _compiler_and_target(source)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
