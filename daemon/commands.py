@@ -15,7 +15,6 @@ from control.snapshot import effective
 from daemon.reload import Reloader, iso_time
 from daemon.startup import Startup
 from engine.controller import FORCE_NEEDS_ADAPTING, Ack
-from engine.device.backend import Backend
 from engine.loop import EngineLoop
 
 APPLY_TIMEOUT_S = 30.0
@@ -74,7 +73,7 @@ class AdminCommands:
         snapshot = self.reloader.snapshot
         last = self.reloader.last
         drafter = self.loop.engine.drafter  # chosen at start-up, never changed while serving
-        measured = accounts_memory(self.loop.engine.backend)
+        measured = self.loop.engine.backend.measures_memory
         return {
             "state": "serving",
             "drafter": drafter.name if drafter is not None else "none",
@@ -177,12 +176,6 @@ class AdminCommands:
         if not outcome.ok:
             raise AdminError("reload_rejected", "\n".join(outcome.errors))
         return outcome.as_dict()
-
-
-def accounts_memory(backend: Backend) -> bool:
-    """Whether `backend` measures device memory: the base backend (the CPU's) reports 0 from
-    `memory_reserved` whatever is held, so a runtime state's memory there is not known."""
-    return type(backend).memory_reserved is not Backend.memory_reserved
 
 
 def _k_of(args: dict[str, Any]) -> int:

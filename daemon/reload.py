@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +34,7 @@ APPLY_TIMEOUT_S = 30.0
 def iso_time(epoch: float) -> str:
     """A `time.time()` value as ISO 8601 in UTC with its offset, to the millisecond
     ("2026-11-28T18:20:05.123+00:00"): what status and reload replies show for a moment."""
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True)

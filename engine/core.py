@@ -263,7 +263,10 @@ class Engine:
             if not self.running:  # new sequences: a short max_seq_len ends them early
                 for _ in range(batch_size):
                     self.add_request(Request(prompt, params))
-                self.step(order[0])  # their prefill, and a round that warms the shapes
+                # Their prefill, and a round at the longest k that warms the shapes: the next
+                # timed round follows it, so it must not be k = 0's (the drafter would catch up).
+                self.step(order[-1])
+                after_zero = order[-1] == 0
             # Each turn starts at another k, so that every k gets rounds before the sequences
             # end; a round after k = 0 is not timed (the drafter catches up).
             for k in order[turn % len(order) :] + order[: turn % len(order)]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from control.admin import Peer
-from daemon.commands import AdminCommands, accounts_memory
+from daemon.commands import AdminCommands
 from daemon.notify import Notifier
 from daemon.reload import ReloadOutcome, iso_time
 from daemon.startup import Startup
@@ -30,6 +30,8 @@ def anyio_backend() -> str:
 
 class MeasuringBackend(CpuBackend):
     """A backend that accounts memory, as CUDA's and Ascend's do."""
+
+    measures_memory = True
 
     def memory_reserved(self) -> int:
         return 1 << 20
@@ -78,13 +80,13 @@ async def test_status_shows_the_last_reload_time_as_iso_8601() -> None:
 
 async def test_runtime_state_memory_is_null_on_a_cpu() -> None:
     cpu = backend_for(torch.device("cpu"))
-    assert not accounts_memory(cpu) and not accounts_memory(Backend(torch.device("cpu")))
+    assert not cpu.measures_memory and not Backend(torch.device("cpu")).measures_memory
     status = await serving(cpu)("status", {}, PEER)
     assert [s["memory_bytes"] for s in status["runtime_states"]] == [None, None]
 
 
 async def test_runtime_state_memory_is_shown_where_the_backend_measures_it() -> None:
     backend = MeasuringBackend(torch.device("cpu"))
-    assert accounts_memory(backend)
+    assert backend.measures_memory
     status = await serving(backend)("status", {}, PEER)
     assert [s["memory_bytes"] for s in status["runtime_states"]] == [0, 4096]  # a measured 0 stays 0

@@ -34,6 +34,7 @@ class Backend:
     name = "cpu"
     allows_compile = True
     supports_graphs = False
+    measures_memory = False  # whether memory_reserved's figures are measured (its 0 here is not)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -78,6 +79,7 @@ class _GraphBackend(Backend):
     """An accelerator whose torch module mirrors torch.cuda: streams, memory stats, graphs."""
 
     supports_graphs = True
+    measures_memory = True
     warmup_runs = 2  # eager runs before each capture, so lazy initialisation never happens inside one
 
     def __init__(self, device: torch.device, module: Any, graph_class: Any, graph_context: Any) -> None:

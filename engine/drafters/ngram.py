@@ -190,9 +190,9 @@ class NgramDrafter(Drafter):
 
     @contextmanager
     def timing(self) -> Iterator[None]:
-        """Each timed round drafts its full k (the timed text repeats little, so lookups would
-        find few drafts and a long k would be timed at the cost of a short one), and the timed
-        sequences look in no earlier text, and leave none behind."""
+        """Each timed round drafts its full k (lookups find in the timed text whatever it happens
+        to repeat, and a k would be timed at that width, not its own), and the timed sequences
+        look in no earlier text, and leave none behind."""
         self.full_width = True
         try:
             with self.no_history():
