@@ -24,6 +24,8 @@ class ModeReport:
     phase_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, k, tokens)
     runs: list[float] = field(default_factory=list)  # tokens/s of each run merged in
+    # every round: (k, tokens, seconds, whether it was a try of another k than the one served)
+    rounds: list[tuple[int, int, float, bool]] = field(default_factory=list)
 
     def merge(self, other: ModeReport) -> None:
         """Add another run of the same mode (its timeline is kept, offset to follow this one)."""
@@ -42,6 +44,20 @@ class ModeReport:
             self.phase_tokens[phase] += other.phase_tokens[phase]
             self.phase_seconds[phase] += other.phase_seconds[phase]
         self.timeline.extend((t + offset, k, n) for t, k, n in other.timeline)
+        self.rounds.extend(other.rounds)
+
+    def losses(self, rate: float, best_k: int) -> dict[str, tuple[float, int]]:
+        """Where this mode's time went beyond serving its tokens at `rate` (the best static k's),
+        as shares of its time, and the rounds each share is on: tries of other k's, and rounds
+        served at each k. A share can be negative: rounds that served faster than the best static
+        k's average."""
+        lost: dict[str, float] = defaultdict(float)
+        counts: Counter = Counter()
+        for k, tokens, seconds, tried in self.rounds:
+            name = "tries" if tried else f"k={k}" + (" (best)" if k == best_k else "")
+            lost[name] += (seconds - tokens / rate) / self.seconds
+            counts[name] += 1
+        return {name: (lost[name], counts[name]) for name in sorted(lost, key=lambda n: -lost[n])}
 
     def round_ms(self) -> dict[str, float]:
         """Milliseconds a round (in-process modes): drafting, the verify forward, and the rest of
@@ -117,6 +133,13 @@ def print_table(reports: dict[str, ModeReport]) -> None:
                 runs = [a / b for a, b in zip(r.runs, statics[best_mode].runs)]
                 spread = f" (runs {', '.join(f'{x:.3f}' for x in runs)})" if len(runs) > 1 else ""
                 print(f"  {mode}: {rate / best:.3f}x best static{spread}, {rate / oracle:.3f}x per-phase oracle")
+                if r.rounds:
+                    best_k = 0 if best_mode == "none" else int(best_mode.split(":")[1])
+                    parts = ", ".join(
+                        f"{name} {100 * share:+.1f}% ({rounds} rounds)"
+                        for name, (share, rounds) in r.losses(best, best_k).items()
+                    )
+                    print(f"    time beyond the best static k's: {parts}")
 
 
 def phase_rate(report: ModeReport, phase: str) -> float:

@@ -46,6 +46,8 @@ class ModeRun:
             self.clock = max(self.clock, self.queue[0][1].arrival_s or 0.0)  # idle until the next arrival
             report.seconds = self.clock
             return
+        policy = self.controller.policy
+        tried = self.controller.mode_name == "adaptive" and self.controller.k != policy.serving
         started = time.perf_counter()
         result = self.controller.step()
         round_seconds = time.perf_counter() - started
@@ -69,6 +71,8 @@ class ModeRun:
         report.draft_seconds += result.draft_seconds
         report.verify_seconds += result.verify_seconds
         report.timeline.append((self.clock, result.k, total))
+        if result.batch_size:
+            report.rounds.append((result.k, total, round_seconds, tried))
         report.seconds = self.clock
         report.switches = self.controller.switches
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.ceiling import main as ceiling_main
+from bench.report import ModeReport
 from bench.side_by_side import run_side_by_side
 from bench.spec import main as spec_main
 from engine.checkpoint import load_checkpoint
@@ -296,3 +297,20 @@ def test_a_workload_line_with_a_key_no_request_has_is_refused_naming_it(tmp_path
     workload.write_text('{"max_tokens": 5}\n')
     with pytest.raises(SystemExit, match=r'w.jsonl:1: bad request \(no "prompt"\)'):
         spec_main(["--workload", str(workload)])
+
+
+def test_where_an_adaptive_mode_lost_time_adds_up_to_what_it_lost_against_the_best_static_k():
+    report = ModeReport()
+    # 10 rounds at the best k = 3 (4 tokens in 10 ms), 2 tries of k = 7 (5 tokens in 20 ms), 4
+    # rounds at k = 1 (2 tokens in 8 ms)
+    for k, tokens, seconds, tried, n in [(3, 4, 0.010, False, 10), (7, 5, 0.020, True, 2), (1, 2, 0.008, False, 4)]:
+        for _ in range(n):
+            report.rounds.append((k, tokens, seconds, tried))
+            report.tokens += tokens
+            report.seconds += seconds
+    best = 4 / 0.010
+    losses = report.losses(best, best_k=3)
+    assert list(losses) == ["tries", "k=1", "k=3 (best)"]
+    assert losses["tries"][1] == 2 and losses["k=1"][1] == 4
+    assert losses["k=3 (best)"][0] == pytest.approx(0.0, abs=1e-12)
+    assert sum(share for share, _ in losses.values()) == pytest.approx(1 - report.tokens / report.seconds / best)

@@ -55,6 +55,11 @@ class Policy(Protocol):
     def k(self) -> int: ...
 
     @property
+    def serving(self) -> int:
+        """The k served between tries of others: where it differs from `k`, the next round is a try."""
+        ...
+
+    @property
     def ema(self) -> float | None:
         """The acceptance EMA where the strategy keeps one (ema); None where it keeps none."""
         ...

@@ -10,7 +10,11 @@ from typing import NamedTuple
 
 from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
-from engine.policy.schedule import MAX_SPACING, START_K, WINDOW_ROUNDS, Schedule
+from engine.policy.schedule import START_K, Schedule
+
+# Rounds a k's seconds are taken over, and the most probe intervals between tries of another k.
+WINDOW_ROUNDS = 32
+MAX_SPACING = 64
 
 # How many times the median round of its window a round is believed to have taken: a round the
 # machine stalled in (another process held the cores) says nothing about the next one.
@@ -84,6 +88,10 @@ class MeasuredPolicy(Schedule):
         self.moved = False  # whether the next round is the first after a move
 
     blind_at_zero = False  # k = 0 is measured like any other k
+
+    @property
+    def serving(self) -> int:
+        return self._k if self.probe_from is None else self.probe_from
 
     def current(self, k: int, batch_size: int) -> deque[Round] | None:
         """k's recent rounds at this batch size, while they are current."""

@@ -45,6 +45,10 @@ class SlottedPolicy:
         return self.slots[self.active].candidates
 
     @property
+    def serving(self) -> int:
+        return self.slots[self.active].serving
+
+    @property
     def ema(self) -> float | None:
         return self.slots[self.active].ema
 
