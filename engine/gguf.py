@@ -220,7 +220,7 @@ class GGUFCheckpoint:
         for tensor in self.reader.tensors:
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             data = tensor.data
-            if self.architecture == "llama" and tensor.name.split(".")[-2:-1] in (["attn_q"], ["attn_k"]):
+            if self.architecture == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
                 config = self.config
                 heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
                 data = _unpermute(data, heads)
@@ -304,15 +304,47 @@ class GGUFCheckpoint:
 
     def check(self) -> ModelConfig:
         """What a configuration check reads: the shape, every tensor named as a supported model's
-        and of the shape it implies, and the tokenizer; CheckpointError naming what is wrong."""
+        and of the shape the metadata implies, none missing, and the tokenizer; CheckpointError
+        naming what is wrong."""
         config = self.config
+        expected = expected_shapes(config)
         for tensor in self.reader.tensors:
-            if self.hf_name(tensor.name) == tensor.name:
+            name = self.hf_name(tensor.name)
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            if name not in expected:
                 raise CheckpointError(f"{self.path}: unexpected tensor {tensor.name!r} in a {self.architecture} model")
-            if tensor.data.size == 0 or tensor.data.shape[0] != int(tensor.shape[-1]):
-                raise CheckpointError(f"{self.path}: tensor {tensor.name!r} is cut short")
+            if shape != expected.pop(name):
+                raise CheckpointError(f"{self.path}: tensor {tensor.name!r} has shape {shape}, not its model's")
+        missing = [name for name in expected if name != "lm_head.weight" or not config.tie_word_embeddings]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{self.path}: missing tensor {missing[0]!r}{more}")
+        if len(self.tokens) > config.vocab_size:
+            raise CheckpointError(f"{self.path}: {len(self.tokens)} tokens, more than the model's {config.vocab_size}")
         self.tokenizer()
         return config
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model of `config` has, by its Hugging Face name, in torch's order."""
+    d, f, hd, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    layer |= {"self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d)}
+    layer |= {"self_attn.o_proj.weight": (d, q), "mlp.down_proj.weight": (d, f)}
+    layer |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d)}
+    if config.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if config.output_bias:
+        layer["self_attn.o_proj.bias"] = (d,)
+    if config.mlp_bias:
+        layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)}
+    if config.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    for i in range(config.num_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
 
 
 def _decimal(value: float) -> float:

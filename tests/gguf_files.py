@@ -61,9 +61,11 @@ def write_gguf(
     pre: str = "gpt-2",
     chat_template: str | None = CHAT_TEMPLATE,
     types: dict[str, gguf.GGMLQuantizationType] | None = None,
+    leave_out: str | None = None,
 ) -> Path:
     """`checkpoint` (a directory with a byte-level BPE tokenizer.json) as a GGUF file at `out`,
-    its matrices stored as `kind` (or as `types` names per llama.cpp tensor name)."""
+    its matrices stored as `kind` (or as `types` names per llama.cpp tensor name), but for the
+    tensor `leave_out` names."""
     config = json.loads((checkpoint / "config.json").read_text())
     architecture = architecture or config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -86,6 +88,8 @@ def write_gguf(
     types = types or {}
     for hf, values in tensors.items():
         name = gguf_name(hf)
+        if name == leave_out:
+            continue
         if architecture == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             values = _permute(values, heads if ".attn_q." in name else kv_heads)
         stored = types.get(name, kind if values.ndim == 2 else gguf.GGMLQuantizationType.F32)

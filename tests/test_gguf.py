@@ -137,6 +137,10 @@ def bad_files(root: Path) -> dict[str, tuple[Path, str]]:
             write_gguf(DEFAULT_TARGET, root / "i32.gguf", types=i32),
             "unsupported tensor type I32 in a llama model",
         ),
+        "missing tensor": (
+            write_gguf(DEFAULT_TARGET, root / "short.gguf", leave_out="blk.1.ffn_up.weight"),
+            "missing tensor 'model.layers.1.mlp.up_proj.weight'",
+        ),
         "pre-tokenizer": (
             write_gguf(DEFAULT_TARGET, root / "pre.gguf", pre="chameleon"),
             "pre-tokenizer 'chameleon' is not supported",
@@ -150,7 +154,8 @@ def bad(tmp_path_factory) -> dict[str, tuple[Path, str]]:
 
 
 @pytest.mark.parametrize(
-    "case", ["text", "empty", "truncated", "header only", "architecture", "tensor type", "pre-tokenizer"]
+    "case",
+    ["text", "empty", "truncated", "header only", "architecture", "tensor type", "missing tensor", "pre-tokenizer"],
 )
 def test_a_bad_file_is_one_line_naming_the_file_and_the_fault(bad, case):
     path, fault = bad[case]
@@ -167,7 +172,7 @@ def test_the_config_check_reads_a_gguf_as_it_reads_a_directory(tmp_path, bad):
     config = tmp_path / "config.toml"
     config.write_text(f'[engine]\ntarget = "{target}"\ndrafter = "draft_model"\ndraft = "{draft}"\n')
     assert load_config(config, check_models=True).engine.target == target
-    for case in ("truncated", "architecture", "tensor type"):
+    for case in ("truncated", "architecture", "tensor type", "missing tensor"):
         path, fault = bad[case]
         config.write_text(f'[engine]\ntarget = "{path}"\ndrafter = "ngram"\n')
         with pytest.raises(ConfigError) as caught:
