@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from control.issues import ConfigIssue
+from engine.gguf import GGUFCheckpoint, is_gguf
 from engine.model.config import (
     DFLASH_KINDS,
     DRAFT_MODEL_KINDS,
@@ -19,11 +20,12 @@ from engine.model.config import (
 
 
 def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
-    """Whether the target, and the draft where the drafter runs one, are checkpoint directories
-    (config.json of a supported architecture, weights, tokenizer.json), and the draft shares the
-    target's tokenizer; read without loading any weights."""
+    """Whether the target, and the draft where the drafter runs one, are checkpoints: directories
+    (config.json of a supported architecture, weights, tokenizer.json) or GGUF files (a supported
+    architecture, tensor types and tokenizer); and the draft shares the target's tokenizer. Read
+    without loading any weights."""
     issues: list[ConfigIssue] = []
-    found = {}
+    found: dict[str, tuple[Path, ModelConfig, Callable[[], dict[str, int] | None]]] = {}
     names = ["engine.target"]
     if values.get("engine.drafter") in DRAFT_MODEL_KINDS:
         names.append("engine.draft")
@@ -31,7 +33,7 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
         if values.get(name) is None:
             continue  # invalid itself: already reported
         try:
-            found[name] = (values[name], inspect_checkpoint(values[name]))
+            found[name] = (values[name], *_inspect(values[name]))
         except CheckpointError as err:
             issues.append(ConfigIssue(name, str(err)))
     # The drafters fed the target's hidden states: their checkpoint, checked against the target,
@@ -44,8 +46,8 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
             except CheckpointError as err:
                 issues.append(ConfigIssue(name, str(err)))
     if len(found) == 2:
-        (target, target_config), (draft, draft_config) = found["engine.target"], found["engine.draft"]
-        same_vocabulary = tokenizer_vocabulary(draft) == tokenizer_vocabulary(target)
+        (_, target_config, target_vocabulary), (draft, draft_config, draft_vocabulary) = found.values()
+        same_vocabulary = draft_vocabulary() == target_vocabulary()
         if draft_config.vocab_size != target_config.vocab_size or not same_vocabulary:
             issues.append(
                 ConfigIssue(
@@ -55,6 +57,15 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
                 )
             )
     return issues
+
+
+def _inspect(path: Path) -> tuple[ModelConfig, Callable[[], dict[str, int] | None]]:
+    """A checkpoint's config, and how to read its tokenizer's vocabulary: of a directory, or of
+    a GGUF file (kept open, as reading its metadata is seconds for a large vocabulary)."""
+    if is_gguf(path):
+        checkpoint = GGUFCheckpoint(path)
+        return checkpoint.check(), checkpoint.vocabulary
+    return inspect_checkpoint(path), lambda: tokenizer_vocabulary(path)
 
 
 def _inspect_drafter(name: str, path: Path, target: ModelConfig) -> None:

@@ -123,9 +123,9 @@ SLOT_KEYS: Mapping[str, Key] = {
 
 SCHEMA: Mapping[str, Section] = {
     "engine": Section(EngineSettings, live=False, doc="models, device and capacity", keys={
-        "target": Key("path", "models/target", "target checkpoint directory (Hugging Face format)"),
+        "target": Key("path", "models/target", "target checkpoint: a Hugging Face directory or a GGUF file"),
         "drafter": Key("str", "hybrid", "how drafts are proposed", choices=DRAFTERS),
-        "draft": Key("path", "models/draft", "draft checkpoint directory, used when drafter = draft_model or hybrid"),
+        "draft": Key("path", "models/draft", "draft checkpoint (directory or GGUF), for drafter draft_model or hybrid"),
         "dflash": Key("path", "models/dflash", "DFlash drafter directory, used when drafter = dflash or hybrid_dflash"),
         "eagle3": Key("path", "models/eagle3", "EAGLE-3 head directory, used when drafter = eagle3 or hybrid_eagle3"),
         "draft_quantization": Key(
@@ -189,7 +189,7 @@ SCHEMA: Mapping[str, Section] = {
     "server": Section(ServerSettings, live=False, doc="the HTTP API", keys={
         "host": Key("str", "127.0.0.1", "address the HTTP API listens on"),
         "port": Key("int", 8000, "TCP port of the HTTP API; 0 = any free port", lo=0, hi=65535),
-        "model_name": Key("str", None, "model id the API serves; default: the target directory's name"),
+        "model_name": Key("str", None, "model id the API serves; default: the target's name (less .gguf)"),
         "max_queue": Key("int", 64, "requests waiting beyond max_batch_size before new ones get 503", lo=0,
                          hi=100000),
         "api_key": Key("str", None, "key every /v1 request must send as 'Authorization: Bearer KEY'; default: "

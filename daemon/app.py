@@ -42,6 +42,7 @@ from daemon.startup import Startup
 from daemon.watch import watch_config
 from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.loop import EngineLoop
+from engine.model.config import CheckpointError
 
 log = structlog.get_logger("adaspec.daemon")
 
@@ -83,6 +84,9 @@ class Daemon:
             template = ChatTemplate.from_checkpoint(target)
         except ChatTemplateError as err:
             log.error("cannot start", error=f"{target}: {err}")
+            return 1
+        except CheckpointError as err:  # a GGUF file changed since the config check: it names the file
+            log.error("cannot start", error=str(err))
             return 1
         metrics = Metrics(self.snapshot.engine.max_k)
         startup = Startup(self.notifier)
@@ -194,7 +198,7 @@ class Daemon:
         return OpenAIApi(
             loop,
             metrics,
-            model=server.model_name or target.name,
+            model=server.model_name or (target.stem if target.is_file() else target.name),
             max_queue=server.max_queue,
             chat_template=template,
             api_key=key,

@@ -2,12 +2,12 @@
 
 The template is the Jinja2 text in the checkpoint's `chat_template.jinja`, or else in its
 `tokenizer_config.json` ("chat_template", a string or a list of named templates, of which
-"default" is used), rendered as transformers' `apply_chat_template` does: in a sandbox, with
-`messages`, `add_generation_prompt=True`, the special tokens (`bos_token`, `eos_token`,
-`pad_token`, ...), `tools` and `documents` set to none (templates test them with `is not none`,
-and an undefined one is not none), transformers' `tojson`, `raise_exception` and `strftime_now`,
-and its `{% generation %}` tag. Templates put the special tokens in themselves, so their text is
-tokenized without adding any.
+"default" is used), or a GGUF file's `tokenizer.chat_template`; rendered as transformers'
+`apply_chat_template` does: in a sandbox, with `messages`, `add_generation_prompt=True`, the
+special tokens (`bos_token`, `eos_token`, `pad_token`, ...), `tools` and `documents` set to none
+(templates test them with `is not none`, and an undefined one is not none), transformers'
+`tojson`, `raise_exception` and `strftime_now`, and its `{% generation %}` tag. Templates put the
+special tokens in themselves, so their text is tokenized without adding any.
 
 A checkpoint with no template (such as a base model) gets the plain fallback: one
 "role: content" line per message, then "assistant: " for the model to continue. It is tokenized
@@ -53,7 +53,12 @@ class ChatTemplate:
     def from_checkpoint(cls, path: Path) -> ChatTemplate:
         """The checkpoint's template: `chat_template.jinja` where there is one (as transformers
         prefers it), else tokenizer_config.json's "chat_template" (of a list, the one named
-        "default", else the first)."""
+        "default", else the first). Of a GGUF file, its `tokenizer.chat_template` (CheckpointError
+        where the file cannot be read)."""
+        if path.is_file():
+            from engine.gguf import GGUFCheckpoint  # numpy and the gguf package, only for a GGUF
+
+            return cls(*GGUFCheckpoint(path).chat_template())
         config = _read_json(path / "tokenizer_config.json")
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]

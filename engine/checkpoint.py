@@ -1,8 +1,9 @@
-"""Load and save Hugging Face checkpoint directories.
+"""Load and save Hugging Face checkpoint directories, and load GGUF files.
 
 A checkpoint is `config.json`, `model.safetensors` (or shards with `model.safetensors.index.json`),
-`tokenizer.json` and optionally `generation_config.json`. Tensor names are Hugging Face's; the
-runtime fuses q/k/v and gate/up projections, so names are mapped here in both directions.
+`tokenizer.json` and optionally `generation_config.json`; or one GGUF file (engine/gguf.py, which
+names its tensors as Hugging Face does). Tensor names are Hugging Face's; the runtime fuses q/k/v
+and gate/up projections, so names are mapped here in both directions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from engine.device.resolve import resolve_device, resolve_dtype
+from engine.gguf import GGUFCheckpoint, dequantize, is_gguf
 from engine.model.config import CheckpointError, ModelConfig, read_tokenizer, weight_shapes
 from engine.model.transformer import Transformer, can_pack_linears
 from engine.native.build import available, library
@@ -142,23 +144,37 @@ def load_checkpoint(
     max_positions: int | None = None,
     native_forward: bool = True,
 ) -> Checkpoint:
-    """The checkpoint at `path` on `device`, in `dtype` (None: float32 on a CPU, bfloat16 on an
+    """The checkpoint at `path` (a directory or a GGUF file) on `device`, in `dtype` (None: float32
+    on a CPU, bfloat16 on an
     accelerator). "auto" is that too, but for a checkpoint stored in bfloat16 on a CPU where the
     compiled forward serves it: bfloat16, which the kernels widen to float32 exactly as they read
     it, so the logits are float32's bit for bit at half the bytes to stream."""
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint directory")
-    config = ModelConfig.from_file(path / "config.json")
+    gguf = GGUFCheckpoint(path) if is_gguf(path) else None
+    if gguf is not None:
+        config = gguf.config
+        raw = dict(gguf.raw_tensors())
+        files = {name: path for name in raw}
+
+        def read(name: str) -> Tensor:
+            return torch.from_numpy(dequantize(raw[name]))
+
+        stored = gguf.stored_types
+    elif path.is_dir():
+        config = ModelConfig.from_file(path / "config.json")
+        files = _tensor_files(path)
+        handles = {file: safe_open(file, framework="pt") for file in set(files.values())}
+
+        def read(name: str) -> Tensor:
+            return handles[files[name]].get_tensor(name)
+
+        def stored() -> set[str]:
+            return stored_dtypes(files)
+    else:
+        raise CheckpointError(f"{path}: not a checkpoint directory or GGUF file")
     torch_device = resolve_device(device)
-    files = _tensor_files(path)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if (
-        dtype == "auto"
-        and native_forward
-        and available(torch_device, torch.bfloat16)
-        and stored_dtypes(files) == {"BF16"}
-    ):
+    if dtype == "auto" and native_forward and available(torch_device, torch.bfloat16) and stored() == {"BF16"}:
         torch_dtype = torch.bfloat16
 
     with torch.device("meta"), uninitialized():
@@ -182,14 +198,13 @@ def load_checkpoint(
             f"{path}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
 
-    handles = {file: safe_open(file, framework="pt") for file in set(files.values())}
     state: dict[str, Tensor] = {}
     for name, shape in expected.items():
         pieces = []
         parts = hf_names(name)
         sizes = _fused_sizes(config, name) if len(parts) > 1 else [shape[0]]
         for part, rows in zip(parts, sizes):
-            tensor = handles[files[part]].get_tensor(part)
+            tensor = read(part)
             want = (rows, *shape[1:])
             if tuple(tensor.shape) != tuple(want):
                 raise CheckpointError(
@@ -211,6 +226,8 @@ def load_checkpoint(
     if not (native_forward and use_native(model)) and can_pack_linears(torch_device, torch_dtype):
         model.pack_linears()
 
+    if gguf is not None:
+        return Checkpoint(path, config, model, gguf.tokenizer(), gguf.eos_token_ids())
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.exists():
         raise CheckpointError(f"{tokenizer_path}: not found")

@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m engine.generate", description="Generate text with the target model alone."
     )
     parser.add_argument("prompts", nargs="+", help="one or more prompts, decoded as one batch")
-    parser.add_argument("--model", default="models/target", help="Hugging Face checkpoint directory")
+    parser.add_argument("--model", default="models/target", help="Hugging Face checkpoint directory or GGUF file")
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens to generate for each prompt")

@@ -517,6 +517,33 @@ def test_serving_your_own_checkpoint_as_the_readme_says(tmp_path):
         stop_daemon(daemon)
 
 
+def test_serving_a_gguf_file_as_the_readme_says(tmp_path):
+    """engine.target naming a GGUF file (the default target, stored as Q8_0): the model id is the
+    file's name less .gguf, completions are the loaded file's, and chats use its template."""
+    import gguf
+
+    from tests.gguf_files import write_gguf
+
+    own = write_gguf(DEFAULT_TARGET, tmp_path / "my-model.gguf", gguf.GGMLQuantizationType.Q8_0)
+    daemon = start_daemon(
+        Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")), target=own, engine='drafter = "ngram"'
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["my-model"]
+        completion = client.completions.create(model="my-model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+        mine = load_checkpoint(own)
+        assert completion.choices[0].text == reference(mine, mine.tokenizer.encode(PROMPT).ids, MAX_TOKENS)[0]
+        messages = [{"role": "user", "content": PROMPT}]
+        chat = client.chat.completions.create(model="my-model", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        rendered = ChatTemplate.from_checkpoint(own).render(messages)
+        assert rendered.startswith("<|im_start|>user\n")
+        expected = reference(mine, mine.tokenizer.encode(rendered, add_special_tokens=False).ids, MAX_TOKENS)[0]
+        assert chat.choices[0].message.content == expected
+    finally:
+        stop_daemon(daemon)
+
+
 def test_the_listening_socket_sends_each_write_without_waiting_for_an_ack():
     """A response goes out as two writes (headers, then body): with Nagle's algorithm on, a
     keep-alive connection's every later response waited 40 ms for the client's delayed ACK. The

@@ -190,9 +190,9 @@ def inspect_checkpoint(path: Path) -> ModelConfig:
     """What a checkpoint directory holds, read without loading its weights: its config, once
     `config.json`, weights and `tokenizer.json` are found (CheckpointError naming what is not)."""
     if not path.exists():
-        raise CheckpointError(f"{path}: no such directory")
+        raise CheckpointError(f"{path}: no such {'file' if path.suffix.lower() == '.gguf' else 'directory'}")
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory (a checkpoint is a directory)")
+        raise CheckpointError(f"{path}: not a directory (a checkpoint is a directory or a GGUF file)")
     missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         missing.append(" or ".join(WEIGHT_FILES))
