@@ -143,7 +143,14 @@ class Weights:
         scales, mins = (self.keep(arrange(t)) if t is not None else None for t in (q.scales, q.mins))
         n = packed.shape[0] * PANEL if inter is not None else q.values.shape[0]
         return Linear(
-            packed.data_ptr(), self.keep(bias), scales, mins, n, q.values.shape[1], UINT4 if q.uint4 else 2, q.group
+            packed.data_ptr(),
+            self.keep(bias),
+            scales,
+            mins,
+            n,
+            q.values.shape[1],
+            UINT4 if q.uint4 else FORMATS[torch.int8],
+            q.group,
         )
 
 
