@@ -61,7 +61,7 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
         with phase(f"compile the CPU kernels: {build}"):
             library()
     with phase(f"load target {settings.target}"):
-        target = load_checkpoint(settings.target, settings.device, settings.dtype)
+        target = load_checkpoint(settings.target, settings.device, settings.dtype, weights=settings.weights)
     draft = None
     if kinds & set(DRAFT_MODEL_KINDS):
         with phase(f"load draft {settings.draft}"):

@@ -17,7 +17,7 @@ from control.settings import (
     ServerSettings,
     ShutdownSettings,
 )
-from engine.model.config import DRAFT_QUANTIZATIONS, DRAFTERS
+from engine.model.config import DRAFT_QUANTIZATIONS, DRAFTERS, TARGET_WEIGHTS
 from engine.policy import STRATEGY_NAMES, PolicyParams
 
 
@@ -142,6 +142,8 @@ SCHEMA: Mapping[str, Section] = {
         "dtype": Key("str", "auto",
                      "weight dtype; auto = bfloat16 as stored on cpu, else float32 on cpu, bfloat16 elsewhere",
                      choices=("auto", "float32", "bfloat16", "float16")),
+        "weights": Key("str", "as_loaded", "the target's linear weights: as_loaded, or quantized at load in groups"
+                       " of 32, int8 (as GGUF's Q8_0) or int4 (as Q4_1), served in float32", choices=TARGET_WEIGHTS),
         "max_batch_size": Key("int", 8, "most sequences decoded together", lo=1, hi=256),
         "max_seq_len": Key("int", 2048, "longest sequence (prompt + output) in tokens", lo=16, hi=32768),
         "max_k": Key("int", 32, "largest draft length k any runtime state may have", lo=1, hi=64),

@@ -21,6 +21,7 @@ class EngineSettings:
     verification: str
     device: str
     dtype: str
+    weights: str
     max_batch_size: int
     max_seq_len: int
     max_k: int

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from engine.device.resolve import resolve_device, resolve_dtype
 from engine.gguf import GGUFCheckpoint, dequantize, is_gguf
 from engine.model.config import CheckpointError, ModelConfig, read_tokenizer, weight_shapes
+from engine.model.quantize import quantize_linears
 from engine.model.transformer import Transformer, can_pack_linears
 from engine.native.build import available, library
 from engine.native.forward import NativeForward
@@ -143,12 +144,15 @@ def load_checkpoint(
     dtype: str | None = None,
     max_positions: int | None = None,
     native_forward: bool = True,
+    weights: str = "as_loaded",
 ) -> Checkpoint:
     """The checkpoint at `path` (a directory or a GGUF file) on `device`, in `dtype` (None: float32
-    on a CPU, bfloat16 on an
-    accelerator). "auto" is that too, but for a checkpoint stored in bfloat16 on a CPU where the
+    on a CPU, bfloat16 on an accelerator). "auto" is that too, but for a checkpoint stored in bfloat16 on a CPU where the
     compiled forward serves it: bfloat16, which the kernels widen to float32 exactly as they read
-    it, so the logits are float32's bit for bit at half the bytes to stream."""
+    it, so the logits are float32's bit for bit at half the bytes to stream.
+
+    `weights` "int8" or "int4" quantizes the linear layers in groups once loaded
+    (engine/model/quantize.py); the model is then float32, the values those groups stand for."""
     path = Path(path)
     gguf = GGUFCheckpoint(path) if is_gguf(path) else None
     if gguf is not None:
@@ -173,8 +177,14 @@ def load_checkpoint(
     else:
         raise CheckpointError(f"{path}: not a checkpoint directory or GGUF file")
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    if dtype == "auto" and native_forward and available(torch_device, torch.bfloat16) and stored() == {"BF16"}:
+    torch_dtype = torch.float32 if weights != "as_loaded" else resolve_dtype(dtype, torch_device)
+    if (
+        weights == "as_loaded"
+        and dtype == "auto"
+        and native_forward
+        and available(torch_device, torch.bfloat16)
+        and stored() == {"BF16"}
+    ):
         torch_dtype = torch.bfloat16
 
     with torch.device("meta"), uninitialized():
@@ -223,6 +233,8 @@ def load_checkpoint(
     if left:
         raise CheckpointError(f"{path}: no weights for {left[0]!r}")
     model.eval().requires_grad_(False)
+    if weights != "as_loaded":
+        quantize_linears(model, weights)
     if not (native_forward and use_native(model)) and can_pack_linears(torch_device, torch_dtype):
         model.pack_linears()
 

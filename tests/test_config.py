@@ -299,6 +299,7 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
         ('[engine]\ndevice = "gpu"\n', "engine.device", "'cpu', 'cuda', 'cuda:N', 'npu' or 'npu:N'"),
         ('[engine]\ndevice = "cuda:x"\n', "engine.device", "'cuda:N'"),
         ('[engine]\ndtype = "fp16"\n', "engine.dtype", "must be one of"),
+        ('[engine]\nweights = "q4"\n', "engine.weights", "must be one of 'as_loaded', 'int8', 'int4'"),
         ('[engine]\nverification = "blocks"\n', "engine.verification", "did you mean 'block'"),
         ('[logging]\nlevel = "verbose"\n', "logging.level", "must be one of"),
         ('[logging]\nformat = "text"\n', "logging.format", "must be one of"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import load_checkpoint, use_native
 from engine.model.transformer import Captured, ForwardBatch, side_by_side
 from engine.native.build import library, problem
 from engine.native.forward import NativeForward
@@ -125,6 +125,38 @@ def test_int8_weights_serve_the_logits_of_their_dequantized_values_at_a_quarter_
     prefill = forward(served, cache, [0], [prompt], last_only=True).logits[0, 0]  # panels widened
     cache.truncate(0, len(prompt) - 1)
     assert torch.equal(prefill, forward(served, cache, [0], [prompt[-1:]]).logits[0, 0])
+
+
+@pytest.mark.parametrize("kind, bytes_per_weight", [("int8", 1), ("int4", 0.5)])
+@torch.inference_mode()
+def test_int8_and_int4_groups_give_the_float32_forward_of_their_values_and_verify_exactly(kind, bytes_per_weight):
+    """engine.weights quantizes the target's linear layers (the tied lm head too) in groups of 32:
+    panels of a byte or half a byte a weight, and the logits of the float32 weights those groups
+    stand for: bit for bit those of the compiled float32 forward (prompts whose panels are widened
+    once, verifies and decode steps read as stored), within 1e-5 of the logits' scale of PyTorch's;
+    a verify still gives its decode steps' logits bit for bit."""
+    served = load_checkpoint(DEFAULT_TARGET, weights=kind).model
+    assert served.native is not None and served.lm_head.quantized is not None
+    stored = sum(p.numel() for p in served.native.weights.kept if p.dtype in (torch.int8, torch.uint8))
+    linears = sum(m.weight.numel() for m in served.modules() if getattr(m, "quantized", None) is not None)
+    assert stored == pytest.approx(linears * bytes_per_weight, rel=0.01)  # gate/up's padding aside
+    plain = load_checkpoint(DEFAULT_TARGET, dtype="float32").model
+    plain.load_state_dict(served.state_dict())  # the dequantized values, as float32 panels
+    operators = load_checkpoint(DEFAULT_TARGET, dtype="float32", native_forward=False).model
+    operators.load_state_dict(served.state_dict())
+    assert served.lm_head.quantized is not None and plain.native is None and use_native(plain)
+    prompt, drafts = list(range(40, 200)), [9, 8, 7, 6]
+    caches = [m.new_cache(1, 256) for m in (served, plain, operators)]
+    for cache in caches:
+        cache.allocate()
+    prefill = [forward(m, c, [0], [prompt]).logits[0] for m, c in zip((served, plain, operators), caches)]
+    verify = [forward(m, c, [0], [drafts]).logits[0] for m, c in zip((served, plain, operators), caches)]
+    for logits in (prefill, verify):
+        assert torch.equal(logits[0], logits[1])
+        assert (logits[0] - logits[2]).abs().max() <= 1e-5 * logits[2].abs().max()
+    cache = caches[0]
+    cache.truncate(0, len(prompt))
+    assert torch.equal(verify[0], torch.stack([forward(served, cache, [0], [[t]]).logits[0, 0] for t in drafts]))
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:

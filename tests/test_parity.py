@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import load_checkpoint, to_hf_state_dict
 from engine.generate import generate
 from engine.model.kv_cache import KVCache
 from engine.model.transformer import PACK_MIN_PADDING, ForwardBatch
@@ -30,17 +30,28 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=[(f, path) for f in FAMILIES for path in ("compiled", "pytorch")], ids="-".join)
+# Quantized in groups (engine.weights): the compiled forward streams int8 or uint4 groups, and
+# transformers runs the float32 values they stand for (a tied lm head quantized with the rest).
+QUANTIZED = [("llama3-rope-tied", "compiled-int8"), ("qwen3", "compiled-int4")]
+
+
+@pytest.fixture(
+    scope="module", params=[(f, path) for f in FAMILIES for path in ("compiled", "pytorch")] + QUANTIZED, ids="-".join
+)
 def pair(request, tmp_path_factory):
     """transformers' model and ours, on the compiled CPU forward (engine/native/) or PyTorch's."""
     name, forward = request.param
+    forward, _, weights = forward.partition("-")
     settings = dict(FAMILIES[name])
     family = settings.pop("family")
     reference = tiny_hf_model(family, **settings)
     path = save_tiny(reference, tmp_path_factory.mktemp(name))
-    checkpoint = load_checkpoint(path, native_forward=forward == "compiled")
+    checkpoint = load_checkpoint(path, native_forward=forward == "compiled", weights=weights or "as_loaded")
     if forward == "compiled" and checkpoint.model.native is None:
         pytest.skip("no compiled CPU kernels here")
+    if weights:
+        missing, unexpected = reference.load_state_dict(to_hf_state_dict(checkpoint.model), strict=False)
+        assert not unexpected and missing in ([], ["lm_head.weight"])  # tied: the embedding's
     return reference, checkpoint
 
 

@@ -68,6 +68,35 @@ def test_an_int8_draft_runs_int8_weights_beside_the_checkpoints_own():
     assert int8.model.embed_tokens.weight is draft.model.embed_tokens.weight  # no second copy of the parameters
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_greedy_output_of_a_target_quantized_in_groups_equals_its_target_only_output(pair, weights):
+    """engine.weights serves the target from int8 or uint4 groups: speculation stays token for
+    token what that model decodes alone, at every k and batch size, k changing between rounds."""
+    target, draft = pair
+    quantized = load_checkpoint(target.path, weights=weights)
+    assert quantized.model.layers[0].mlp.gate_up.quantized is not None
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = reference(quantized, PROMPTS, params)
+    for kind in ("draft_model_int8", "hybrid"):
+        accepted = 0
+        for k in STEPS:
+            engine = Engine(quantized, make_drafter(kind, draft, 4), 4, MAX_SEQ_LEN, STEPS)
+            requests = [Request(tuple(p), params) for p in PROMPTS]
+            outputs = engine.run_until_done(requests, k)
+            assert [outputs[r.id] for r in requests] == expected, (kind, k)
+            accepted += engine.states[k].stats.drafts_accepted
+        assert accepted > 0  # drafts were kept, not just decoded past
+        engine = Engine(quantized, make_drafter(kind, draft, 4), 4, MAX_SEQ_LEN, STEPS)
+        requests = [Request(tuple(p), params) for p in PROMPTS]
+        for request in requests:
+            engine.add_request(request)
+        outputs, chooser = {r.id: [] for r in requests}, random.Random(7)
+        while engine.has_work:
+            for out in engine.step(chooser.choice(STEPS)).outputs:
+                outputs[out.request_id].extend(out.new_tokens)
+        assert [outputs[r.id] for r in requests] == expected, kind
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "draft_model_int8", "ngram", "hybrid"])
 def test_greedy_stays_lossless_when_k_changes_at_every_boundary(pair, kind):
     target, draft = pair

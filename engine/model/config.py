@@ -163,6 +163,8 @@ EAGLE3_KINDS = ("eagle3", "hybrid_eagle3")
 DRAFTERS = (*DRAFT_MODEL_KINDS, "ngram", *DFLASH_KINDS, *EAGLE3_KINDS, "none")
 # How [engine] draft_quantization may store drafters' linear weights on a CPU.
 DRAFT_QUANTIZATIONS = ("int8", "none")
+# How [engine] weights may store the target's linear weights (engine/model/quantize.py).
+TARGET_WEIGHTS = ("as_loaded", "int8", "int4")
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 

@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from torch import Tensor, nn
 
 from engine.model.config import ModelConfig, RopeConfig
 from engine.model.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from engine.model.quantize import GroupQuantized
 
 
 @dataclass
@@ -250,17 +253,21 @@ def side_by_side(hidden: dict[int, Tensor], layers: Sequence[int]) -> Tensor:
 
 
 class DerivedCopy:
-    """A module mixin for a copy made from the parameters (the attribute named `derived`): moving,
-    converting or loading them drops it, so that nothing runs from stale weights."""
+    """A module mixin for copies made from the parameters (the attributes named in `derived`):
+    moving, converting or loading them drops those, so that nothing runs from stale weights."""
 
-    derived: str
+    derived: tuple[str, ...]
+
+    def _drop_derived(self) -> None:
+        for name in self.derived:
+            setattr(self, name, None)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        setattr(self, self.derived, None)
+        self._drop_derived()
         return super()._apply(fn, recurse)  # type: ignore[misc]
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        setattr(self, self.derived, None)
+        self._drop_derived()
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[misc]
 
 
@@ -272,10 +279,14 @@ class Linear(DerivedCopy, nn.Linear):
     CPUs (about 12 GB/s against oneDNN's 40 GB/s on the AMD EPYC we test on); the packed weight
     is the same float32 values in oneDNN's blocked layout. The plain weight stays the source of
     truth for saving, training and quantization: moving, converting or loading it drops the copy.
+
+    A layer quantized in groups (engine/model/quantize.py) keeps them in `quantized`, for the
+    compiled forward to stream; its weight then holds their float32 values.
     """
 
     packed: Tensor | None = None
-    derived = "packed"
+    quantized: GroupQuantized | None = None
+    derived = ("packed", "quantized")
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -459,7 +470,7 @@ class CompiledForward(Protocol):
 
 
 class Transformer(DerivedCopy, nn.Module):
-    derived = "native"  # the compiled forward holds copies and addresses of the parameters
+    derived = ("native",)  # the compiled forward holds copies and addresses of the parameters
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()

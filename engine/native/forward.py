@@ -17,8 +17,9 @@ from engine.native.weights import CacheStructs, Weights, int32_lists, model_stru
 class NativeForward:
     """`Transformer.forward` for a float32 or bfloat16 model on a CPU, through the compiled kernels.
 
-    Holds panel copies of the model's linear weights (in the model's dtype, or as `linears` says:
-    int8 for a drafter, whose precision moves only how many drafts are kept) and the addresses of
+    Holds panel copies of the model's linear weights (a layer's groups where it is quantized,
+    engine/model/quantize.py; else in the model's dtype, or as `linears` says: int8 for a drafter,
+    whose precision moves only how many drafts are kept) and the addresses of
     its other parameters (float32 copies of a bfloat16 model's small ones: activations are float32
     either way, and stored weights are widened as they are read): the model drops it when its
     parameters move or are loaded (`Transformer._apply`)."""
@@ -34,13 +35,13 @@ class NativeForward:
             attention, mlp = block.self_attn, block.mlp
             layers[i] = Layer(
                 weights.keep(block.input_layernorm.weight),
-                weights.linear(attention.qkv.weight, attention.qkv.bias),
+                weights.linear(attention.qkv.weight, attention.qkv.bias, attention.qkv.quantized),
                 weights.keep(attention.q_norm.weight if attention.q_norm is not None else None),
                 weights.keep(attention.k_norm.weight if attention.k_norm is not None else None),
-                weights.linear(attention.o_proj.weight, attention.o_proj.bias),
+                weights.linear(attention.o_proj.weight, attention.o_proj.bias, attention.o_proj.quantized),
                 weights.keep(block.post_attention_layernorm.weight),
-                weights.gate_up(mlp.gate_up.weight, mlp.gate_up.bias, config.intermediate_size),
-                weights.linear(mlp.down_proj.weight, mlp.down_proj.bias),
+                weights.gate_up(mlp.gate_up.weight, mlp.gate_up.bias, config.intermediate_size, mlp.gate_up.quantized),
+                weights.linear(mlp.down_proj.weight, mlp.down_proj.bias, mlp.down_proj.quantized),
             )
         self._layers = layers
         self.model = model_struct(
@@ -51,7 +52,7 @@ class NativeForward:
             weights.keep(model.norm.weight),
             weights.keep(model.rope_cos),
             weights.keep(model.rope_sin),
-            weights.linear(model.lm_head.weight, model.lm_head.bias),
+            weights.linear(model.lm_head.weight, model.lm_head.bias, model.lm_head.quantized),
             layers,
         )
         self._cache = CacheStructs()

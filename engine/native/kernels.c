@@ -32,7 +32,7 @@ typedef float vf __attribute__((vector_size(64)));
 typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
 
 #define TILE_ROWS 6 /* input rows per register tile: 24 accumulators */
-/* Input rows per tile of a bfloat16 or int8 panel, widened as it is read: eight rows spill a few
+/* Input rows per tile of a bfloat16 or integer panel, widened as it is read: eight rows spill a few
  * of their 32 accumulators, yet a verify of up to 8 tokens then reads each weight once. */
 #define NARROW_TILE_ROWS 8
 
@@ -91,35 +91,99 @@ static inline vf widen8(const int8_t *p) {
 #endif
 }
 
+typedef uint8_t vub __attribute__((vector_size(16), aligned(1), may_alias));
+
+/* A UINT4 panel row (32 bytes) as its PANEL values in float32, in column order (exactly). */
+static inline void widen4(const uint8_t *p, vf *out) {
+#ifdef __AVX512F__
+    const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i high = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+    const __m512i nibble = _mm512_set1_epi32(15);
+    out[0] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(low, nibble));
+    out[1] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(high, nibble));
+    out[2] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(low, 4));
+    out[3] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(high, 4));
+#else
+    const vi low = __builtin_convertvector(*(const vub *)p, vi);
+    const vi high = __builtin_convertvector(*(const vub *)(p + 16), vi);
+    out[0] = __builtin_convertvector(low & 15, vf), out[1] = __builtin_convertvector(high & 15, vf);
+    out[2] = __builtin_convertvector(low >> 4, vf), out[3] = __builtin_convertvector(high >> 4, vf);
+#endif
+}
+
+/* tile's name for an INT8 panel with a scale per group rather than per output. */
+#define INT8_GROUPED 16
+
+/* A grouped Linear's scales and mins for one panel (size 0: not grouped). */
+typedef struct {
+    int size;
+    const float *scale, *min;
+} Groups;
+
+static Groups groups_at(const Linear *w, int p) {
+    Groups g = {0, NULL, NULL};
+    if (w->group > 0) {
+        const int64_t at = (int64_t)p * ((w->k + w->group - 1) / w->group) * PANEL;
+        g = (Groups){w->group, w->scale + at, w->min ? w->min + at : NULL};
+    }
+    return g;
+}
+
+/* Row i of w in `format` (rows ldw values apart) as PANEL float32 values, integers not yet scaled. */
+static inline __attribute__((always_inline)) void load_row(int format, const void *w, int64_t i, int64_t ldw,
+                                                            vf *out) {
+    if (format == BF16) {
+        const uint16_t *wi = (const uint16_t *)w + i * ldw;
+        out[0] = widen(wi), out[1] = widen(wi + 16), out[2] = widen(wi + 32), out[3] = widen(wi + 48);
+    } else if (format == INT8 || format == INT8_GROUPED) {
+        const int8_t *wi = (const int8_t *)w + i * ldw;
+        out[0] = widen8(wi), out[1] = widen8(wi + 16), out[2] = widen8(wi + 32), out[3] = widen8(wi + 48);
+    } else if (format == UINT4) {
+        widen4((const uint8_t *)w + i * (ldw / 2), out);
+    } else {
+        const float *wi = (const float *)w + i * ldw;
+        out[0] = *(const vf_unaligned *)wi, out[1] = *(const vf_unaligned *)(wi + 16);
+        out[2] = *(const vf_unaligned *)(wi + 32), out[3] = *(const vf_unaligned *)(wi + 48);
+    }
+}
+
+/* A grouped row's weights, q * scale + min in float32: one place, so that a tile and a widened
+ * panel compute the same values (every product q * scale of GGUF's formats and of
+ * engine/model/quantize.py's is exact, so fused or not, this is PyTorch's q * scale + min). */
+static inline __attribute__((always_inline)) void dequantize(vf *row, const Groups *g, int64_t group) {
+    for (int v = 0; v < 4; v++) {
+        const vf scale = *(const vf_unaligned *)(g->scale + group * PANEL + 16 * v);
+        vf min = (vf){0};
+        if (g->min) min = *(const vf_unaligned *)(g->min + group * PANEL + 16 * v);
+        row[v] = row[v] * scale + min;
+    }
+}
+
 /* rows x PANEL outputs: y[m][j] = sum_i x[m][i] * w[i][j] for i < k (times scale[j]), where row i
- * of w starts at w + i * ldw; one multiply-add chain per output in i order, the same whatever
- * `rows` is. */
+ * of w starts at w + i * ldw values (dequantized by `g`'s groups first where `format` is grouped);
+ * one multiply-add chain per output in i order, the same whatever `rows` is. */
 static inline __attribute__((always_inline)) void tile(
     const int rows, const int format, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
-    const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
+    const Groups *g, const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
+    const int grouped = format == INT8_GROUPED || format == UINT4;
+    const int span = grouped ? g->size : k;
     vf acc[NARROW_TILE_ROWS][4];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};
-    for (int i = 0; i < k; i++) {
-        vf w0, w1, w2, w3;
-        if (format == BF16) {
-            const uint16_t *wi = (const uint16_t *)w + (int64_t)i * ldw;
-            w0 = widen(wi), w1 = widen(wi + 16), w2 = widen(wi + 32), w3 = widen(wi + 48);
-        } else if (format == INT8) {
-            const int8_t *wi = (const int8_t *)w + (int64_t)i * ldw;
-            w0 = widen8(wi), w1 = widen8(wi + 16), w2 = widen8(wi + 32), w3 = widen8(wi + 48);
-        } else {
-            const float *wi = (const float *)w + (int64_t)i * ldw;
-            w0 = *(const vf_unaligned *)wi, w1 = *(const vf_unaligned *)(wi + 16);
-            w2 = *(const vf_unaligned *)(wi + 32), w3 = *(const vf_unaligned *)(wi + 48);
-        }
+    for (int i0 = 0; i0 < k; i0 += span) {
+        const int end = k - i0 < span ? k : i0 + span;
+        for (int i = i0; i < end; i++) {
+            vf wv[4];
+            load_row(format, w, i, ldw, wv);
+            if (grouped) dequantize(wv, g, i0 / span);
 #pragma GCC unroll 8
-        for (int m = 0; m < rows; m++) {
-            const float xs = x[m * ldx + i];
-            acc[m][0] += w0 * xs;
-            acc[m][1] += w1 * xs;
-            acc[m][2] += w2 * xs;
-            acc[m][3] += w3 * xs;
+            for (int m = 0; m < rows; m++) {
+                const float xs = x[m * ldx + i];
+                acc[m][0] += wv[0] * xs;
+                acc[m][1] += wv[1] * xs;
+                acc[m][2] += wv[2] * xs;
+                acc[m][3] += wv[3] * xs;
+            }
         }
     }
     /* Whole vectors where nothing could be fused: a scaled sum that is then added to might become
@@ -156,14 +220,14 @@ static inline __attribute__((always_inline)) void tile(
 
 #define TILE_CASES(FORMAT)                                                                               \
     switch (rows) {                                                                                      \
-        case 1: tile(1, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        case 2: tile(2, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        case 3: tile(3, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        case 4: tile(4, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        case 5: tile(5, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        case 6: tile(6, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        case 7: tile(7, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;          \
-        default: tile(8, FORMAT, k, x, ldx, w, ldw, scale, bias, columns, y, accumulate); break;         \
+        case 1: tile(1, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;            \
+        case 2: tile(2, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;            \
+        case 3: tile(3, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;            \
+        case 4: tile(4, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;            \
+        case 5: tile(5, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;            \
+        case 6: tile(6, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;            \
+        case 7: tile(7, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;            \
+        default: tile(8, FORMAT, k, x, ldx, w, ldw, g, scale, bias, columns, y, accumulate); break;           \
     }
 
 /* Input rows per tile for a panel in `format`. */
@@ -171,11 +235,15 @@ static inline int tile_depth(int format) { return format == F32 ? TILE_ROWS : NA
 
 /* `tile` for 1 to NARROW_TILE_ROWS rows, each count compiled with its accumulators in registers. */
 static void tile_rows(int rows, int format, int k, const float *x, int64_t ldx, const void *w, int64_t ldw,
-                      const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
+                      const Groups *g, const float *scale, const float *bias, int columns, float *const *y, int accumulate) {
     if (format == BF16) {
         TILE_CASES(BF16)
+    } else if (format == INT8 && g->size) {
+        TILE_CASES(INT8_GROUPED)
     } else if (format == INT8) {
         TILE_CASES(INT8)
+    } else if (format == UINT4) {
+        TILE_CASES(UINT4)
     } else {
         TILE_CASES(F32)
     }
@@ -183,21 +251,25 @@ static void tile_rows(int rows, int format, int k, const float *x, int64_t ldx, 
 
 /* Where panel p of w starts. */
 static const void *panel_at(const Linear *w, int p) {
-    const int bytes = w->format == F32 ? 4 : w->format == BF16 ? 2 : 1;
-    return (const char *)w->panels + (int64_t)p * w->k * PANEL * bytes;
+    const int row_bytes = w->format == F32 ? 4 * PANEL : w->format == BF16 ? 2 * PANEL : w->format == INT8 ? PANEL : PANEL / 2;
+    return (const char *)w->panels + (int64_t)p * w->k * row_bytes;
 }
 
-/* The panel to multiply by, and its format: a bfloat16 or int8 panel that serves more than five
- * tiles (a prompt's, not a verify's) is widened once into `widened` ([k][PANEL] float32, the
- * thread's own), the same values a tile would widen (an int8 panel's still unscaled: the tile
- * scales its sums either way). */
+/* The panel to multiply by, and its format: a narrow panel that serves more than five tiles (a
+ * prompt's, not a verify's) is widened once into `widened` ([k][PANEL] float32, the thread's own),
+ * the same values a tile would widen: a grouped panel's dequantized, an int8 panel's with a scale
+ * per output still unscaled (the tile scales its sums either way). */
 static const void *panel_for(const Linear *w, int p, int rows, float *widened, int *format) {
     const void *panel = panel_at(w, p);
     *format = rows <= 5 * NARROW_TILE_ROWS ? w->format : F32;
     if (w->format == F32 || *format != F32) return panel;
-    for (int64_t i = 0; i < (int64_t)w->k * PANEL; i += 16)
-        *(vf_unaligned *)(widened + i) =
-            w->format == BF16 ? widen((const uint16_t *)panel + i) : widen8((const int8_t *)panel + i);
+    const Groups g = groups_at(w, p);
+    for (int64_t i = 0; i < w->k; i++) {
+        vf row[4];
+        load_row(w->format, panel, i, PANEL, row);
+        if (g.size) dequantize(row, &g, i / g.size);
+        for (int v = 0; v < 4; v++) *(vf_unaligned *)(widened + i * PANEL + 16 * v) = row[v];
+    }
     return widened;
 }
 
@@ -210,15 +282,17 @@ static void linear(const float *x, int rows, const Linear *w, float *y, int64_t 
     for (int p = 0; p < panels; p++) {
         int format;
         const void *panel = panel_for(w, p, rows, widened, &format);
+        const Groups g = groups_at(w, p);
         const int n0 = p * PANEL;
         const int columns = w->n - n0 < PANEL ? w->n - n0 : PANEL;
-        const float *bias = w->bias ? w->bias + n0 : NULL, *scale = w->scale ? w->scale + n0 : NULL;
+        const float *bias = w->bias ? w->bias + n0 : NULL;
+        const float *scale = w->scale && !w->group ? w->scale + n0 : NULL; /* a scale per output */
         const int step = tile_depth(format);
         for (int m0 = 0; m0 < rows; m0 += step) {
             const int mr = rows - m0 < step ? rows - m0 : step;
             float *out[NARROW_TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = y + (index ? index[m0 + m] : m0 + m) * ldy + n0;
-            tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, scale, bias, columns, out,
+            tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, &g, scale, bias, columns, out,
                       accumulate);
         }
     }
@@ -245,15 +319,16 @@ static void linear_glu(const float *x, int rows, const Linear *w, float *act, in
     for (int p = 0; p < panels; p++) {
         int format;
         const void *panel = panel_for(w, p, rows, widened, &format);
+        const Groups g = groups_at(w, p);
         const int n0 = p * half, columns = inter - n0 < half ? inter - n0 : half;
         const float *bias = w->bias ? w->bias + (int64_t)p * PANEL : NULL;
-        const float *scale = w->scale ? w->scale + (int64_t)p * PANEL : NULL;
+        const float *scale = w->scale && !w->group ? w->scale + (int64_t)p * PANEL : NULL;
         const int step = tile_depth(format);
         for (int m0 = 0; m0 < rows; m0 += step) {
             const int mr = rows - m0 < step ? rows - m0 : step;
             float products[NARROW_TILE_ROWS][PANEL], *out[NARROW_TILE_ROWS];
             for (int m = 0; m < mr; m++) out[m] = products[m];
-            tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, scale, bias, PANEL, out, 0);
+            tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, &g, scale, bias, PANEL, out, 0);
             for (int m = 0; m < mr; m++) {
                 float glu[half];
                 silu_times(products[m], products[m] + half, half, glu);
@@ -349,7 +424,8 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
         const int from = earliest / PANEL * PANEL;
         for (int b = from / PANEL; b <= last / PANEL; b++) {
             for (int r = 0; r < rows; r++) score_rows[r] = s->probs + r * ldp + b * PANEL;
-            tile_rows(rows, F32, dim, s->queries, dim, keys + b * PANEL, positions, NULL, NULL, PANEL, score_rows, 0);
+            tile_rows(rows, F32, dim, s->queries, dim, keys + b * PANEL, positions, NULL, NULL, NULL, PANEL,
+                      score_rows, 0);
         }
         for (int r = 0; r < rows; r++) {
             const int pos = block ? length - 1 : start + (q0 + r) / group;
@@ -360,7 +436,7 @@ static void attend(const Model *m, int kv, const float *qkv, int64_t qkv_size, i
             for (int r = 0; r < rows; r++) rows_at[r] = out_rows[r] + d;
             const int columns = dim - d < PANEL ? dim - d : PANEL; /* reads past them land in the padding */
             tile_rows(rows, F32, last + 1 - from, s->probs + from, ldp, values + (int64_t)from * value_stride + d,
-                      value_stride, NULL, NULL, columns, rows_at, 0);
+                      value_stride, NULL, NULL, NULL, columns, rows_at, 0);
         }
     }
 }

@@ -12,16 +12,25 @@
 
 #define PANEL 64 /* output columns per weight panel: four vectors */
 
-enum { F32, BF16, INT8 }; /* how a Linear's panels are stored */
+enum { F32, BF16, INT8, UINT4 }; /* how a Linear's panels are stored */
 
 /* A weight [n, k] stored as panels of PANEL output columns, each [k][PANEL] (the last one
- * zero-padded), so that a product streams it from memory exactly once in order. */
+ * zero-padded), so that a product streams it from memory exactly once in order. UINT4 packs a
+ * panel row's 64 values into 32 bytes: byte j holds column j in its low nibble, j + 32 in its high.
+ *
+ * Grouped (group > 0; INT8 or UINT4): each output's inputs come in groups of `group` consecutive
+ * ones (the last may be shorter), each group with a float32 scale and min, and a weight is
+ * q * scale + min computed in float32 before it multiplies (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
+ * are all this after unpacking). Scales and mins are [panels][groups][PANEL]. */
 typedef struct {
-    const void *panels; /* in `format`: bfloat16 and int8 are widened to float32 as they are read */
+    const void *panels; /* in `format`: bfloat16, int8 and uint4 are widened to float32 as they are read */
     const float *bias;  /* [n] or NULL */
-    const float *scale; /* INT8: [n], each output column's scale (its products are summed, then scaled) */
+    const float *scale; /* INT8 with group 0: [n], each output column's scale (its products are summed,
+                         * then scaled); grouped: each group's scale */
+    const float *min;   /* grouped: each group's min, or NULL (0) */
     int32_t n, k;
     int32_t format;
+    int32_t group;      /* inputs per group of a grouped layout; 0: not grouped */
 } Linear;
 
 typedef struct {

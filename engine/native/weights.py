@@ -1,12 +1,12 @@
-"""What the kernels read: parameters packed into panels (float32, bfloat16 or int8), the
-structures that point into them, and one forward call."""
+"""What the kernels read: parameters packed into panels (float32, bfloat16, int8, or int8 and
+uint4 in groups), the structures that point into them, and one forward call."""
 
 from __future__ import annotations
 
 import ctypes
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +17,7 @@ from engine.native.abi import Batch, Cache, Linear, Model
 if TYPE_CHECKING:
     from engine.model.config import DFlashConfig, ModelConfig
     from engine.model.kv_cache import KVCache
+    from engine.model.quantize import GroupQuantized
 
 _i32 = ctypes.c_int32
 
@@ -36,8 +37,9 @@ def int32_lists(*lists: Sequence[int]) -> tuple[ctypes.Array, list[Any]]:
 
 PANEL = 64  # output columns per weight panel, as in kernels.c
 
-# How a Linear's panels are stored (kernels.c's enum): bfloat16 and int8 are widened as they are read.
+# How a Linear's panels are stored (kernels.h's enum): all but float32 are widened as they are read.
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+UINT4 = 3
 
 
 def panels(weight: Tensor) -> Tensor:
@@ -58,20 +60,23 @@ def int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def gate_up_panels(weight: Tensor, inter: int, *vectors: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
-    """The fused [gate; up] weight with gate and up rows alternating PANEL / 2 at a time, each half
-    zero-padded to a multiple of PANEL / 2, so that each panel yields finished SiLU(gate) * up
-    columns (kernels.c `linear_glu`); returns the panels and `vectors` (a bias, int8 scales: one
-    value per output) reordered the same way."""
+def gate_up_rows(t: Tensor, inter: int) -> Tensor:
+    """The fused [gate; up] rows of `t` (a weight, its groups' scales, or a vector with a value
+    per output) with gate and up rows alternating PANEL / 2 at a time, each half zero-padded to a
+    multiple of PANEL / 2, so that each panel yields finished SiLU(gate) * up columns (kernels.c
+    `linear_glu`)."""
     half = PANEL // 2
     padded = -(-inter // half) * half
+    gate, up = torch.zeros(2, padded, *t.shape[1:], dtype=t.dtype)
+    gate[:inter], up[:inter] = t[:inter].detach(), t[inter:].detach()
+    return torch.stack((gate.view(-1, half, *t.shape[1:]), up.view(-1, half, *t.shape[1:])), 1).flatten(0, 2)
 
-    def interleave(t: Tensor) -> Tensor:
-        gate, up = torch.zeros(2, padded, *t.shape[1:], dtype=t.dtype)
-        gate[:inter], up[:inter] = t[:inter].detach(), t[inter:].detach()
-        return torch.stack((gate.view(-1, half, *t.shape[1:]), up.view(-1, half, *t.shape[1:])), 1).flatten(0, 2)
 
-    return panels(interleave(weight)), [interleave(v).float().contiguous() if v is not None else None for v in vectors]
+def gate_up_panels(weight: Tensor, inter: int, *vectors: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
+    """The fused [gate; up] weight's panels (`gate_up_rows`), and `vectors` (a bias, int8
+    scales: one value per output) reordered the same way."""
+    rows = [gate_up_rows(v, inter).float().contiguous() if v is not None else None for v in vectors]
+    return panels(gate_up_rows(weight, inter)), rows
 
 
 def padded_tokens(rows: Sequence[Sequence[int]], width: int) -> ctypes.Array:
@@ -100,19 +105,53 @@ class Weights:
             return int8_rows(weight)
         return weight.detach().to(self.linears), None
 
-    def linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
+    def linear(self, weight: Tensor, bias: Tensor | None = None, quantized: GroupQuantized | None = None) -> Linear:
+        """A linear layer's panels: its `quantized` groups where it has them, else in `linears`."""
+        if quantized is not None:
+            return self._grouped(quantized, bias)
         values, scale = self._stored(weight)
         packed = panels(values)
         self.kept.append(packed)
         n, k = weight.shape
-        return Linear(packed.data_ptr(), self.keep(bias), self.keep(scale), n, k, FORMATS[self.linears])
+        return Linear(packed.data_ptr(), self.keep(bias), self.keep(scale), None, n, k, FORMATS[self.linears], 0)
 
-    def gate_up(self, weight: Tensor, bias: Tensor | None, inter: int) -> Linear:
+    def gate_up(
+        self, weight: Tensor, bias: Tensor | None, inter: int, quantized: GroupQuantized | None = None
+    ) -> Linear:
+        if quantized is not None:
+            return self._grouped(quantized, bias, inter)
         values, scale = self._stored(weight)
         packed, (bias, scale) = gate_up_panels(values, inter, bias, scale)
         self.kept.append(packed)
         n, k = packed.shape[0] * PANEL, weight.shape[1]
-        return Linear(packed.data_ptr(), self.keep(bias), self.keep(scale), n, k, FORMATS[self.linears])
+        return Linear(packed.data_ptr(), self.keep(bias), self.keep(scale), None, n, k, FORMATS[self.linears], 0)
+
+    def _grouped(self, q: GroupQuantized, bias: Tensor | None, inter: int | None = None) -> Linear:
+        """Grouped weights as panels (the gate/up interleaving given `inter`): values, uint4 two to
+        a byte (a panel row's column j low, j + 32 high), and each group's scale and min arranged
+        as the values are, [panels, groups, PANEL]."""
+        if inter is None:
+            arrange: Callable[[Tensor], Tensor] = panels
+        else:
+            arrange = lambda t: panels(gate_up_rows(t, inter))  # noqa: E731
+            bias = gate_up_rows(bias, inter) if bias is not None else None
+        packed = arrange(q.values)
+        if q.uint4:
+            half = PANEL // 2
+            packed = (packed[..., :half] | (packed[..., half:] << 4)).contiguous()
+        self.kept.append(packed)
+        scales, mins = (self.keep(arrange(t)) if t is not None else None for t in (q.scales, q.mins))
+        n = packed.shape[0] * PANEL if inter is not None else q.values.shape[0]
+        return Linear(
+            packed.data_ptr(),
+            self.keep(bias),
+            scales,
+            mins,
+            n,
+            q.values.shape[1],
+            UINT4 if q.uint4 else FORMATS[torch.int8],
+            q.group,
+        )
 
 
 class CacheStructs:
