@@ -147,9 +147,10 @@ def load_checkpoint(
     weights: str = "as_loaded",
 ) -> Checkpoint:
     """The checkpoint at `path` (a directory or a GGUF file) on `device`, in `dtype` (None: float32
-    on a CPU, bfloat16 on an accelerator). "auto" is that too, but for a checkpoint stored in bfloat16 on a CPU where the
-    compiled forward serves it: bfloat16, which the kernels widen to float32 exactly as they read
-    it, so the logits are float32's bit for bit at half the bytes to stream.
+    on a CPU, bfloat16 on an accelerator). "auto" is that too, but for a checkpoint stored in
+    bfloat16 on a CPU where the compiled forward serves it: bfloat16, which the kernels widen to
+    float32 exactly as they read it, so the logits are float32's bit for bit at half the bytes to
+    stream.
 
     `weights` "int8" or "int4" quantizes the linear layers in groups once loaded
     (engine/model/quantize.py); the model is then float32, the values those groups stand for."""
