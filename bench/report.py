@@ -24,7 +24,7 @@ class ModeReport:
     phase_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, k, tokens)
     runs: list[float] = field(default_factory=list)  # tokens/s of each run merged in
-    # every round: (k, tokens, seconds, whether it was a try of another k than the one served)
+    # every round: (k, tokens, seconds less prefill's, whether it was a try of another k than the one served)
     rounds: list[tuple[int, int, float, bool]] = field(default_factory=list)
 
     def merge(self, other: ModeReport) -> None:
@@ -47,10 +47,11 @@ class ModeReport:
         self.rounds.extend(other.rounds)
 
     def losses(self, rate: float, best_k: int) -> dict[str, tuple[float, int]]:
-        """Where this mode's time went beyond serving its tokens at `rate` (the best static k's),
-        as shares of its time, and the rounds each share is on: tries of other k's, and rounds
-        served at each k. A share can be negative: rounds that served faster than the best static
-        k's average."""
+        """Where this mode's decoding time went beyond serving its tokens at `rate` (the best
+        static k's tokens over its decoding seconds), as shares of this mode's time, and the
+        rounds each share is on: tries of other k's, and rounds served at each k. Prefill, the
+        same in every mode, is left out. A share can be negative: rounds that served faster than
+        the best static k's average."""
         lost: dict[str, float] = defaultdict(float)
         counts: Counter = Counter()
         for k, tokens, seconds, tried in self.rounds:
@@ -134,10 +135,12 @@ def print_table(reports: dict[str, ModeReport]) -> None:
                 spread = f" (runs {', '.join(f'{x:.3f}' for x in runs)})" if len(runs) > 1 else ""
                 print(f"  {mode}: {rate / best:.3f}x best static{spread}, {rate / oracle:.3f}x per-phase oracle")
                 if r.rounds:
+                    fastest = statics[best_mode]
+                    decoding = fastest.tokens / (fastest.seconds - fastest.prefill_seconds)
                     best_k = 0 if best_mode == "none" else int(best_mode.split(":")[1])
                     parts = ", ".join(
                         f"{name} {100 * share:+.1f}% ({rounds} rounds)"
-                        for name, (share, rounds) in r.losses(best, best_k).items()
+                        for name, (share, rounds) in r.losses(decoding, best_k).items()
                     )
                     print(f"    time beyond the best static k's: {parts}")
 

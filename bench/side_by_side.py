@@ -72,7 +72,7 @@ class ModeRun:
         report.verify_seconds += result.verify_seconds
         report.timeline.append((self.clock, result.k, total))
         if result.batch_size:
-            report.rounds.append((result.k, total, round_seconds, tried))
+            report.rounds.append((result.k, total, round_seconds - result.prefill_seconds, tried))
         report.seconds = self.clock
         report.switches = self.controller.switches
 

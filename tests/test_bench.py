@@ -300,6 +300,7 @@ def test_a_workload_line_with_a_key_no_request_has_is_refused_naming_it(tmp_path
 
 
 def test_where_an_adaptive_mode_lost_time_adds_up_to_what_it_lost_against_the_best_static_k():
+    # (without prefill, which every mode spends alike)
     report = ModeReport()
     # 10 rounds at the best k = 3 (4 tokens in 10 ms), 2 tries of k = 7 (5 tokens in 20 ms), 4
     # rounds at k = 1 (2 tokens in 8 ms)

@@ -12,10 +12,13 @@ from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import START_K, Schedule
 
-# Rounds over which everything learnt loses half its weight: what is kept at each position and
-# what each k costs next to the k served. The traffic changes, and an old estimate must grow
-# uncertain enough to be checked again.
+# Rounds over which what is kept at each position loses half its weight: the traffic changes, and
+# an old estimate must grow uncertain enough to be checked again ...
 HALF_LIFE_ROUNDS = 64
+# ... and what each k costs next to another: a ratio of two k's costs moves far more slowly than
+# what is kept (the context's length and the machine's load fall on both sides of a comparison),
+# and a few percent between two k's takes many comparisons to tell.
+COST_HALF_LIFE = 4 * HALF_LIFE_ROUNDS
 # A position never reached is believed as likely kept as the one before it, with this weight in
 # sequences; the first position, half the time.
 PRIOR_WEIGHT = 2.0
@@ -60,7 +63,7 @@ class Costs:
     context's length and the machine's load, which move both alike, cancel. A move from one k to
     another compares the last rounds of the one with the first rounds of the other. Each pair of
     k's keeps the mean of its comparisons, each weighing less as it ages (halved every
-    HALF_LIFE_ROUNDS rounds); each k's cost is the least-squares fit of all of them (and of the
+    COST_HALF_LIFE rounds); each k's cost is the least-squares fit of all of them (and of the
     profile, believed to within PROFILE_SPREAD), so that k's compared only with others are priced
     through them, and the fit says how sure each is."""
 
@@ -91,7 +94,7 @@ class Costs:
         ratio = math.log(statistics.median(rounds)) - math.log(statistics.median(before + after))
         i, j, sign = (self.served, k, 1) if self.served < k else (k, self.served, -1)
         pair = self.pairs.setdefault((i, j), [0.0, 0.0, now])
-        decay = 0.5 ** ((now - pair[2]) / HALF_LIFE_ROUNDS)
+        decay = 0.5 ** ((now - pair[2]) / COST_HALF_LIFE)
         pair[0], pair[1], pair[2] = pair[0] * decay, pair[1] * decay, now
         if pair[0] * COMPARISON_SPREAD**2 >= 1:  # a stalled round is held to CLIP of the others
             mean = sign * pair[1] / pair[0]
@@ -122,7 +125,7 @@ class Costs:
         the served one by comparisons (the profile included)."""
         edges = {}
         for (i, j), (weight, total, at) in self.pairs.items():
-            decay = 1.0 if math.isinf(at) else 0.5 ** ((now - at) / HALF_LIFE_ROUNDS)
+            decay = 1.0 if math.isinf(at) else 0.5 ** ((now - at) / COST_HALF_LIFE)
             if weight * decay > 0:
                 edges[(i, j)] = (weight * decay, total / weight)
         linked, frontier = {self.served}, [self.served]
@@ -167,16 +170,17 @@ class PositionalPolicy(Schedule):
     tries only, and so less surely.
 
     What a round at another k costs is measured next to the k served (`Costs`): a try's seconds
-    over the median of the served k's latest rounds, at the same batch size, so that a longer
+    over the median of the served k's rounds around it, at the same batch size, so that a longer
     context or a busier machine, which slow both, do not tell one k from another. The seconds
     timed before serving (`profile`) only start each estimate, believed to within 10%.
 
-    The policy serves the k with the most tokens a second, moving when it beats the k served by
-    more than one standard error. Every decision interval it tries, for a single round, the k
-    whose rate might be highest: one whose rate CONFIDENCE standard errors above its estimate
-    beats the k served's. A k that is surely slower is not tried; everything learnt forgets with
-    a half-life of HALF_LIFE_ROUNDS rounds, so it is tried again once its estimate has grown
-    uncertain. Tries are at least `probe_interval` rounds apart.
+    The policy serves the k with the most tokens a second among those that beat the k served by
+    more than their standard error. Every decision interval it may try, for a single round, the
+    k whose rate CONFIDENCE standard errors up is highest, if that beats the k served's: a k
+    that might be faster is measured, one surely slower is not. What is kept forgets with a
+    half-life of HALF_LIFE_ROUNDS rounds and what k's cost with one of COST_HALF_LIFE, so a k
+    no longer tried is tried again once its estimate has grown uncertain. Tries lose at most
+    `exploration` of the serving time and are at least `probe_interval` rounds apart.
     """
 
     blind_at_zero = False
