@@ -167,7 +167,9 @@ class Daemon:
     ) -> None:
         """The engine is built: hand the port the API, reload what changed while it loaded, watch
         the config, tell systemd READY=1; then serve until a stop signal, and drain."""
-        log.info("started", seconds=round(time.monotonic() - startup.started, 3))
+        native = loop.engine.target.model.native  # the bytes the target's weights hold, where the kernels serve it
+        weights = {"target_weight_bytes": native.weight_bytes} if native is not None else {}
+        log.info("started", seconds=round(time.monotonic() - startup.started, 3), **weights)
         reloader = self.reloader = Reloader(self.config_path, self.snapshot, loop, self.notifier)
         metrics.watch(loop, reloader)
         api = self._api(loop, metrics, key, template)

@@ -8,6 +8,8 @@ and gate/up projections, so names are mapped here in both directions.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import re
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -22,12 +25,14 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from engine.device.resolve import resolve_device, resolve_dtype
-from engine.gguf import GGUFCheckpoint, dequantize, is_gguf
+from engine.gguf import GROUPED, GGUFCheckpoint, Groups, RawTensor, dequantize, is_gguf, unpack_groups
 from engine.model.config import CheckpointError, ModelConfig, read_tokenizer, weight_shapes
-from engine.model.quantize import quantize_linears
-from engine.model.transformer import Transformer, can_pack_linears
+from engine.model.layers import can_pack_linears, float_weight
+from engine.model.quantize import GroupQuantized, int8_groups, quantize_linears, quantizer, uint4_groups
+from engine.model.transformer import Transformer
 from engine.native.build import available, library
 from engine.native.forward import NativeForward
+from engine.native.weights import serve_packed
 
 # Our fused parameter -> the Hugging Face tensors concatenated (in order) along dim 0.
 _FUSED = {
@@ -51,7 +56,7 @@ class Checkpoint:
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.device
 
 
 def hf_names(name: str) -> tuple[str, ...]:
@@ -67,10 +72,14 @@ def hf_names(name: str) -> tuple[str, ...]:
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """The model's tensors under Hugging Face's names; a layer kept only as quantized panels
+    dequantized from them."""
     out: dict[str, Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
+        if tensor.is_meta:
+            tensor = float_weight(model.get_submodule(name.removesuffix(".weight")))
         parts = hf_names(name)
         if len(parts) == 1:
             out[parts[0]] = tensor.contiguous()
@@ -153,7 +162,15 @@ def load_checkpoint(
     stream.
 
     `weights` "int8" or "int4" quantizes the linear layers in groups once loaded
-    (engine/model/quantize.py); the model is then float32, the values those groups stand for."""
+    (engine/model/quantize.py); the model is then float32, the values those groups stand for.
+
+    Where the compiled CPU forward serves the model (`native_forward`, a CPU, a C compiler), its
+    quantized weights are kept only as the kernels' panels (`serve_packed`): a GGUF's Q8_0, Q4_0,
+    Q4_1, Q4_K and Q6_K matrices go from their blocks straight into them, and engine.weights'
+    groups too; no float copy of those weights is held, and a tied embedding is read from the lm
+    head's panels. Everywhere else (an accelerator, no compiler, native_forward=False) every
+    tensor is dequantized to float32 and served as a float checkpoint is. A GGUF's other types
+    (F32, F16, BF16, Q5_K, ...) are dequantized to float32 either way."""
     path = Path(path)
     gguf = GGUFCheckpoint(path) if is_gguf(path) else None
     if gguf is not None:
@@ -187,6 +204,7 @@ def load_checkpoint(
         and stored() == {"BF16"}
     ):
         torch_dtype = torch.bfloat16
+    packed = native_forward and torch_dtype == torch.float32 and available(torch_device, torch_dtype)
 
     with torch.device("meta"), uninitialized():
         model = Transformer(config, max_positions=max_positions)
@@ -209,8 +227,12 @@ def load_checkpoint(
             f"{path}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
 
+    # A GGUF's grouped matrices, served from their blocks alone: never read as float32.
+    grouped = {n: parts for n in expected if packed and gguf is not None and (parts := _grouped_parts(n, raw))}
     state: dict[str, Tensor] = {}
     for name, shape in expected.items():
+        if name in grouped:
+            continue
         pieces = []
         parts = hf_names(name)
         sizes = _fused_sizes(config, name) if len(parts) > 1 else [shape[0]]
@@ -227,25 +249,104 @@ def load_checkpoint(
     # The loaded tensors become the parameters (nothing is allocated twice, and no operator runs
     # on the meta device, which would load torch's meta kernels: most of a start's second).
     model.load_state_dict(state, strict=False, assign=True)
+    del state
+    for name, parts in grouped.items():
+        _serve_blocks(model, name, parts, raw, files)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+        model.lm_head.quantized = model.embed_tokens.quantized
     model.build_rope()  # not built on the meta device
-    left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    served = {name.removesuffix(".weight") for name in grouped}  # their weights stay on meta
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    left = [name for name, tensor in tensors if tensor.is_meta and name.removesuffix(".weight") not in served]
     if left:
         raise CheckpointError(f"{path}: no weights for {left[0]!r}")
     model.eval().requires_grad_(False)
-    if weights != "as_loaded":
+    if weights != "as_loaded" and packed:
+        _quantize_packed(model, weights)
+    elif weights != "as_loaded":
         quantize_linears(model, weights)
     if not (native_forward and use_native(model)) and can_pack_linears(torch_device, torch_dtype):
         model.pack_linears()
 
     if gguf is not None:
-        return Checkpoint(path, config, model, gguf.tokenizer(), gguf.eos_token_ids())
+        loaded = Checkpoint(path, config, model, gguf.tokenizer(), gguf.eos_token_ids())
+        del gguf, raw, read, stored, grouped  # the reader and the file's mapping, freed before the trim
+        _return_freed_memory()
+        return loaded
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.exists():
         raise CheckpointError(f"{tokenizer_path}: not found")
     tokenizer = read_tokenizer(tokenizer_path)
     return Checkpoint(path, config, model, tokenizer, _eos_ids(path))
+
+
+def _return_freed_memory() -> None:
+    """Hand back to the system what unpacking a file's blocks freed: glibc's malloc keeps freed
+    pages of its heap (and, having freed a large block, serves blocks below that size from the
+    heap), so a load's transient copies would stay resident beside the panels, a third again."""
+    gc.collect()  # the file's mapping and its reader's cycles
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or nothing that can
+        pass
+
+
+def _quantize_packed(model: Transformer, kind: str) -> None:
+    """engine.weights' groups served by the compiled forward alone (`serve_packed`): no float copy
+    of a quantized layer is kept, and a tied embedding is read from the lm head's panels."""
+    quantize = quantizer(kind)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not module.weight.is_meta:  # meta: served from a file's blocks
+            serve_packed(module, quantize(module.weight), _gate_up(model, name))
+    if model.config.tie_word_embeddings:  # the embedding is the lm head's panels too
+        model.embed_tokens.weight, model.embed_tokens.quantized = model.lm_head.weight, model.lm_head.quantized
+
+
+def _gate_up(model: Transformer, name: str) -> int | None:
+    """The intermediate size where our layer `name` is the fused gate/up projection."""
+    return model.config.intermediate_size if name.removesuffix(".weight").endswith("gate_up") else None
+
+
+def _grouped_parts(name: str, raw: dict[str, RawTensor]) -> tuple[str, ...]:
+    """The file's tensors that make up our matrix `name` where all are stored in groups (GROUPED),
+    else nothing: a projection with one part in another type is dequantized whole."""
+    parts = hf_names(name)
+    return parts if all(raw[p].type in GROUPED for p in parts) else ()
+
+
+def _serve_blocks(
+    model: Transformer, name: str, parts: tuple[str, ...], raw: dict[str, RawTensor], files: dict[str, Path]
+) -> None:
+    """Our matrix `name` served from its parts' blocks: unpacked into groups, stacked row-wise
+    where fused, packed into the kernels' panels (`serve_packed`)."""
+    groups = []
+    for part, rows in zip(parts, _fused_sizes(model.config, name) if len(parts) > 1 else [None]):
+        tensor = raw[part]
+        want = (rows or tensor.shape[0], model.get_parameter(name).shape[1])
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{files[part]}: tensor {part!r} has shape {tuple(tensor.shape)}, expected {want}")
+        groups.append(unpack_groups(tensor))
+    serve_packed(model.get_submodule(name.removesuffix(".weight")), _stacked(groups), _gate_up(model, name))
+
+
+def _stacked(groups: list[Groups]) -> GroupQuantized:
+    """Groups of fused parts as one weight's: where their formats differ (a Q4_K_M file's q and k
+    in Q4_K beside v in Q6_K), in the wider one, int8 in the smallest group, scales repeated and a
+    missing min 0: the same values, each still q * scale + min with an exact product."""
+    group = min(g.group for g in groups)
+    uint4 = all(g.uint4 for g in groups)
+
+    def per_group(t: np.ndarray | None, g: Groups) -> np.ndarray:
+        t = np.zeros_like(g.scales) if t is None else t
+        return np.repeat(t, g.group // group, axis=1) if g.group != group else t
+
+    values = np.concatenate([g.values if uint4 else g.values.astype(np.int8) for g in groups])
+    scales = torch.from_numpy(np.concatenate([per_group(g.scales, g) for g in groups]))
+    has_mins = any(g.mins is not None for g in groups)
+    mins = torch.from_numpy(np.concatenate([per_group(g.mins, g) for g in groups])) if has_mins else None
+    pack = uint4_groups if uint4 else int8_groups
+    return pack(torch.from_numpy(values), scales, mins, group)
 
 
 def _eos_ids(path: Path) -> frozenset[int]:
@@ -290,8 +391,7 @@ def use_native(model: Transformer) -> bool:
     """Run every forward of `model` through the compiled CPU kernels where they can serve it:
     float32 or bfloat16 weights on a CPU, with a C compiler. Moving or loading the parameters
     afterwards turns them off again. Returns whether they are on."""
-    weight = model.embed_tokens.weight
-    if model.native is None and available(weight.device, weight.dtype):
+    if model.native is None and available(model.device, model.norm.weight.dtype):
         lib = library()
         assert lib is not None
         model.native = NativeForward(model, lib)

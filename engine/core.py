@@ -152,7 +152,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.max_k = max_k
         self.cache = self.model.new_cache(max_batch_size, max_seq_len)
-        self.backend = backend or backend_for(self.model.embed_tokens.weight.device)
+        self.backend = backend or backend_for(self.model.device)
         self.graph_runner: GraphRunner | None = None
         if graphs and self.backend.supports_graphs:
             sizes = list(graph_batch_sizes or default_batch_sizes(max_batch_size))
@@ -424,7 +424,7 @@ class Engine:
             seq = Sequence(
                 request=request,
                 slot=self.cache.allocate(),
-                generator=request.params.generator(self.model.embed_tokens.weight.device),
+                generator=request.params.generator(self.model.device),
                 tokens=list(request.prompt),
                 text=OutputText(self.target.tokenizer, request.params.stop) if request.params.stop else None,
             )

@@ -122,6 +122,93 @@ def dequantize(tensor: RawTensor) -> np.ndarray:
     return values.astype(np.float32, copy=not values.flags.writeable or values.dtype != np.float32)
 
 
+@dataclass(frozen=True)
+class Groups:
+    """A weight [n, k] unpacked from its blocks into groups (engine/model/quantize.py's layout):
+    `values` int8, or uint8 holding 0..15 (uint4); float32 `scales` and `mins` (None: 0) per
+    `group` inputs of a row."""
+
+    values: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None
+    group: int
+
+    @property
+    def uint4(self) -> bool:
+        return self.values.dtype == np.uint8
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of each block, widened to float32 (exactly)."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., m] as 2m 4-bit values: every byte's low nibble, then every byte's high one."""
+    return np.concatenate((qs & 15, qs >> 4), axis=-1)
+
+
+def _q8_0(b: np.ndarray) -> Groups:
+    return Groups(b[..., 2:].copy().view(np.int8), _half(b, 0), None, 32)
+
+
+def _q4_0(b: np.ndarray) -> Groups:
+    d = _half(b, 0)
+    return Groups(_nibbles(b[..., 2:]), d, -8 * d, 32)
+
+
+def _q4_1(b: np.ndarray) -> Groups:
+    return Groups(_nibbles(b[..., 4:]), _half(b, 0), _half(b, 2), 32)
+
+
+def _q4_k(b: np.ndarray) -> Groups:
+    """256 values: 8 sub-blocks of 32, each with a 6-bit scale and min (packed in 12 bytes) times
+    the super-block's d and dmin; each 32 bytes of values hold two sub-blocks, low nibbles first."""
+    d, dmin, packed = _half(b, 0)[..., None], _half(b, 2)[..., None], b[..., 4:16]
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scale = np.concatenate((low & 63, (high & 15) | ((low >> 6) << 4)), axis=-1)
+    least = np.concatenate((mid & 63, (high >> 4) | ((mid >> 6) << 4)), axis=-1)
+    chunks = b[..., 16:].reshape(*b.shape[:-1], 4, 32)
+    values = _nibbles(chunks).reshape(*b.shape[:-1], 256)
+    return Groups(values, d * scale, -(dmin * least), 32)
+
+
+def _q6_k(b: np.ndarray) -> Groups:
+    """256 values: 16 sub-blocks of 16 with int8 scales times d; each half of 128 values holds its
+    low 4 bits in 64 bytes (nibbles) and its high 2 bits in 32 (four to a byte)."""
+    ql = b[..., :128].reshape(*b.shape[:-1], 2, 64)
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
+    high = np.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    values = (_nibbles(ql) | (high << 4)).astype(np.int8) - np.int8(32)
+    scales = b[..., 192:208].copy().view(np.int8).astype(np.float32)
+    return Groups(values.reshape(*b.shape[:-1], 256), _half(b, 208)[..., None] * scales, None, 16)
+
+
+_UNPACK = {
+    GGMLQuantizationType.Q8_0: _q8_0,
+    GGMLQuantizationType.Q4_0: _q4_0,
+    GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q4_K: _q4_k,
+    GGMLQuantizationType.Q6_K: _q6_k,
+}
+GROUPED = frozenset(_UNPACK)  # the types whose blocks are groups once unpacked
+
+
+def unpack_groups(tensor: RawTensor) -> Groups:
+    """A weight of a type in GROUPED as groups, exactly the values `dequantize` gives once
+    widened (each product exact in float32, see engine/model/quantize.py)."""
+    n, k = tensor.shape
+    block, size = GGML_QUANT_SIZES[tensor.type]
+    blocks = np.asarray(tensor.data).reshape(n, k // block, size)
+    unpacked = _UNPACK[tensor.type](blocks)
+    return Groups(
+        unpacked.values.reshape(n, k),
+        unpacked.scales.reshape(n, -1),
+        unpacked.mins.reshape(n, -1) if unpacked.mins is not None else None,
+        unpacked.group,
+    )
+
+
 class GGUFCheckpoint:
     """A GGUF file, read lazily: opening it parses only its header (CheckpointError where it is
     not a GGUF, is cut short, or is of an architecture or tensor type not supported)."""

@@ -50,7 +50,67 @@ def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def round_trip(values: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
     """What a weight becomes once stored as `kind`: the values a loader of the file must see."""
-    return gguf.quants.dequantize(gguf.quants.quantize(values, kind), kind).reshape(values.shape)
+    return gguf.quants.dequantize(quantize(values, kind), kind).reshape(values.shape)
+
+
+def quantize(values: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """`values` [n, k] as blocks of `kind`: the gguf package's quantizer where it has one, else
+    (Q4_K, Q6_K) simple round-to-nearest blocks built here, laid out as llama.cpp lays them."""
+    if kind == gguf.GGMLQuantizationType.Q4_K:
+        return _q4_k(values.astype(np.float32))
+    if kind == gguf.GGMLQuantizationType.Q6_K:
+        return _q6_k(values.astype(np.float32))
+    return gguf.quants.quantize(values, kind)
+
+
+def _safe(t: np.ndarray) -> np.ndarray:
+    return np.where(t > 0, t, 1)
+
+
+def _f16_bytes(t: np.ndarray) -> np.ndarray:
+    return t.astype(np.float16)[..., None].view(np.uint8)
+
+
+def _q4_k(values: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256: 8 sub-blocks of 32 from their min (at most 0) in 15 steps; 6-bit
+    scales and mins times a float16 d and dmin."""
+    n, k = values.shape
+    x = values.reshape(n, k // 256, 8, 32)
+    low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    step = (high - low) / 15
+    d, dmin = (step.max(-1) / 63).astype(np.float16), ((-low).max(-1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(step / _safe(d32)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / _safe(dmin32)), 0, 63).astype(np.uint8)
+    scale, offset = (d32 * sc)[..., None], (dmin32 * m)[..., None]
+    q = np.clip(np.round((x + offset) / _safe(scale)), 0, 15).astype(np.uint8).reshape(n, -1, 4, 2, 32)
+    packed = np.concatenate(
+        (
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            m[..., :4] | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4),
+        ),
+        axis=-1,
+    )
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, -1, 128)
+    return np.concatenate((_f16_bytes(d), _f16_bytes(dmin), packed, qs), axis=-1).reshape(n, -1)
+
+
+def _q6_k(values: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256: 16 sub-blocks of 16 in -32..31 around 0, int8 scales times a float16 d;
+    low 4 bits as nibbles, high 2 bits four to a byte."""
+    n, k = values.shape
+    x = values.reshape(n, k // 256, 16, 16)
+    step = np.abs(x).max(-1) / 31
+    d = (step.max(-1) / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(step / _safe(d32)), -128, 127).astype(np.int8)
+    scale = (d32 * sc)[..., None]
+    q = (np.clip(np.round(x / _safe(scale)), -32, 31) + 32).astype(np.uint8).reshape(n, -1, 2, 128)
+    ql = (q[..., :64] & 15) | ((q[..., 64:] & 15) << 4)
+    qh = sum((q[..., 32 * i : 32 * (i + 1)] >> 4) << (2 * i) for i in range(4)).astype(np.uint8)
+    parts = (ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8), _f16_bytes(d))
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
 def write_gguf(
@@ -98,7 +158,7 @@ def write_gguf(
         elif stored in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(name, gguf.quants.quantize(values, stored))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(values, stored), raw_dtype=stored)
+            writer.add_tensor(name, quantize(values, stored), raw_dtype=stored)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

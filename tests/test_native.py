@@ -138,12 +138,13 @@ def test_int8_and_int4_groups_give_the_float32_forward_of_their_values_and_verif
     served = load_checkpoint(DEFAULT_TARGET, weights=kind).model
     assert served.native is not None and served.lm_head.quantized is not None
     stored = sum(p.numel() for p in served.native.weights.kept if p.dtype in (torch.int8, torch.uint8))
-    linears = sum(m.weight.numel() for m in served.modules() if getattr(m, "quantized", None) is not None)
+    layers = {id(m.quantized): m.weight.numel() for m in served.modules() if getattr(m, "quantized", None) is not None}
+    linears = sum(layers.values())  # the tied embedding is the lm head's panels
     assert stored == pytest.approx(linears * bytes_per_weight, rel=0.01)  # gate/up's padding aside
+    assert served.lm_head.weight.is_meta  # kept only in the panels
+    operators = load_checkpoint(DEFAULT_TARGET, weights=kind, native_forward=False).model  # their float32 values
     plain = load_checkpoint(DEFAULT_TARGET, dtype="float32").model
-    plain.load_state_dict(served.state_dict())  # the dequantized values, as float32 panels
-    operators = load_checkpoint(DEFAULT_TARGET, dtype="float32", native_forward=False).model
-    operators.load_state_dict(served.state_dict())
+    plain.load_state_dict(operators.state_dict())  # the dequantized values, as float32 panels
     assert served.lm_head.quantized is not None and plain.native is None and use_native(plain)
     prompt, drafts = list(range(40, 200)), [9, 8, 7, 6]
     caches = [m.new_cache(1, 256) for m in (served, plain, operators)]

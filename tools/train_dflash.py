@@ -519,9 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = code_prompts(args.prompts, seed=args.seed + 1, files=held_files)
         if prompts:
             served = load_checkpoint(args.target)
-            drafter = DFlashDrafter(
-                draft.to(served.model.embed_tokens.weight.device), served.model, 1, served_length(served)
-            )
+            drafter = DFlashDrafter(draft.to(served.model.device), served.model, 1, served_length(served))
             report["held_out"] = held_out_acceptance(served, drafter, args.block - 1, prompts)
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

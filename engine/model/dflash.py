@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from engine.model.config import DFlashConfig, ModelConfig, RopeConfig, check_weights, inspect_dflash, stored_weights
+from engine.model.layers import float_weight
 from engine.model.transformer import RMSNorm, Rotary, Transformer, apply_rope, visible_keys
 from engine.model.vocabulary import DraftVocabulary
 
@@ -142,7 +143,7 @@ class DFlashModel(DraftVocabulary, nn.Module):
 
     def head(self, target: Transformer) -> Tensor:
         """The rows of the target's LM head of the draft vocabulary ([draft vocab, H])."""
-        return target.lm_head.weight.index_select(0, self.draft_to_target())
+        return float_weight(target.lm_head).index_select(0, self.draft_to_target())
 
 
 def block_mask(context_len: Tensor, width: int, size: int, window: int | None = None) -> Tensor:
@@ -189,7 +190,7 @@ def load_dflash(path: str | Path, target: Transformer) -> DFlashModel:
     DraftVocabulary.check_map(weights, state, config.draft_vocab_size, config.vocab_size)
     model.load_state_dict(state)
     # On a CPU the drafter runs in float32 (PyTorch operators); elsewhere in the target's dtype.
-    device = target.embed_tokens.weight.device
+    device = target.device
     return (
         model.to(device=device, dtype=torch.float32 if device.type == "cpu" else target.embed_tokens.weight.dtype)
         .eval()

@@ -158,6 +158,6 @@ def load_eagle3(path: str | Path, target: Transformer) -> Eagle3Model:
     DraftVocabulary.check_map(weights, state, config.draft_vocab_size, config.vocab_size)
     model.load_state_dict(state)  # copied into the model's own buffers: the maps stay long and bool
     # On a CPU the head runs in float32; elsewhere in the target's dtype (`to` casts floats only).
-    device = target.embed_tokens.weight.device
+    device = target.device
     dtype = torch.float32 if device.type == "cpu" else target.embed_tokens.weight.dtype
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

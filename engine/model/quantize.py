@@ -17,6 +17,7 @@ below is exact in float32, so q * scale + min rounds once however it is computed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,12 +137,17 @@ def serve_quantized(linear: nn.Module, quantized: GroupQuantized) -> None:
     linear.packed = None  # packed from the weight it replaces
 
 
+def quantizer(kind: str) -> Callable[[Tensor], GroupQuantized]:
+    """engine.weights' quantizer `kind` ("int8" or "int4"); ValueError naming the choices."""
+    if kind not in QUANTIZERS:
+        raise ValueError(f"weights must be one of {', '.join(map(repr, QUANTIZERS))}, not {kind!r}")
+    return QUANTIZERS[kind]
+
+
 def quantize_linears(model: nn.Module, kind: str) -> None:
     """Every linear layer of `model` (a float32 Transformer) quantized by `kind` ("int8" or
     "int4") and served so, the lm head included, tied or not."""
-    if kind not in QUANTIZERS:
-        raise ValueError(f"weights must be one of {', '.join(map(repr, QUANTIZERS))}, not {kind!r}")
-    quantize = QUANTIZERS[kind]
+    quantize = quantizer(kind)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             serve_quantized(module, quantize(module.weight))

@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,7 @@ from torch import Tensor, nn
 
 from engine.model.config import ModelConfig, RopeConfig
 from engine.model.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from engine.model.quantize import GroupQuantized
+from engine.model.layers import DerivedCopy, Embedding, Linear
 
 
 @dataclass
@@ -252,59 +250,6 @@ def side_by_side(hidden: dict[int, Tensor], layers: Sequence[int]) -> Tensor:
     return torch.cat([hidden[i] for i in layers], dim=-1)
 
 
-class DerivedCopy:
-    """A module mixin for copies made from the parameters (the attributes named in `derived`):
-    moving, converting or loading them drops those, so that nothing runs from stale weights."""
-
-    derived: tuple[str, ...]
-
-    def _drop_derived(self) -> None:
-        for name in self.derived:
-            setattr(self, name, None)
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self._drop_derived()
-        return super()._apply(fn, recurse)  # type: ignore[misc]
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        self._drop_derived()
-        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[misc]
-
-
-class Linear(DerivedCopy, nn.Linear):
-    """nn.Linear that can run from a copy of its weight packed once for oneDNN's CPU kernels.
-
-    Decoding is a matrix-vector product per layer, bound by how fast the weights stream from
-    memory. MKL's float32 GEMV behind F.linear reaches a fraction of the memory bandwidth on some
-    CPUs (about 12 GB/s against oneDNN's 40 GB/s on the AMD EPYC we test on); the packed weight
-    is the same float32 values in oneDNN's blocked layout. The plain weight stays the source of
-    truth for saving, training and quantization: moving, converting or loading it drops the copy.
-
-    A layer quantized in groups (engine/model/quantize.py) keeps them in `quantized`, for the
-    compiled forward to stream; its weight then holds their float32 values.
-    """
-
-    packed: Tensor | None = None
-    quantized: GroupQuantized | None = None
-    derived = ("packed", "quantized")
-
-    def pack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    # bfloat16 needs the CPU's bfloat16 instructions (a forward of 4 rows of 13 tokens: 6.7 ms
-    # packed, 7.7 ms through F.linear, on an EPYC with AVX512-BF16).
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -475,7 +420,7 @@ class Transformer(DerivedCopy, nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -490,8 +435,13 @@ class Transformer(DerivedCopy, nn.Module):
         # model (engine/checkpoint.py `use_native`); dropped when the parameters move or are loaded.
         self.native: CompiledForward | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (its final norm's device: never quantized, so never on meta)."""
+        return self.norm.weight.device
+
     def build_rope(self) -> None:
-        device = self.embed_tokens.weight.device
+        device = self.device
         positions = torch.arange(self.max_positions, device=device).float()
         inv_freq = rope_inverse_frequencies(self.config.rope, self.config.head_dim).to(device)
         angles = torch.outer(positions, inv_freq)
@@ -581,14 +531,13 @@ class Transformer(DerivedCopy, nn.Module):
     def new_cache(self, max_batch_size: int, max_seq_len: int) -> KVCache:
         if max_seq_len > self.rope_cos.shape[0]:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {self.rope_cos.shape[0]} positions")
-        param = self.embed_tokens.weight
         return KVCache(
             self.config.num_layers,
             max_batch_size,
             max_seq_len,
             self.config.num_kv_heads,
             self.config.head_dim,
-            dtype=torch.float32 if self.native is not None else param.dtype,  # the kernels' activations
-            device=param.device,
+            dtype=torch.float32 if self.native is not None else self.norm.weight.dtype,  # the kernels' activations
+            device=self.device,
             transposed_keys=self.native is not None,
         )

@@ -53,6 +53,7 @@ class NativeDFlash:
             config.sliding_window or 0,
             target.model.embed,
             target.model.embed_bf16,
+            target.model.embed_rows,
             weights.keep(model.norm.weight),
             weights.keep(cos[:, 0]),
             weights.keep(sin[:, 0]),

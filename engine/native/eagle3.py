@@ -69,6 +69,7 @@ class NativeEagle3:
             config.rms_norm_eps,
             target.model.embed,
             target.model.embed_bf16,
+            target.model.embed_rows,
             weights.keep(model.norm.weight),
             weights.keep(cos[:, 0]),
             weights.keep(sin[:, 0]),

@@ -22,7 +22,11 @@ class NativeForward:
     whose precision moves only how many drafts are kept) and the addresses of
     its other parameters (float32 copies of a bfloat16 model's small ones: activations are float32
     either way, and stored weights are widened as they are read): the model drops it when its
-    parameters move or are loaded (`Transformer._apply`)."""
+    parameters move or are loaded (`Transformer._apply`). Layers already packed
+    (engine/native/weights.py `GroupPanels`) are pointed to, not copied; an embedding kept only so
+    is read from its panels, or from the lm head's where the two are tied.
+
+    `weight_bytes` counts what it streams and points to."""
 
     def __init__(self, model: Transformer, lib: ctypes.CDLL, linears: torch.dtype | None = None) -> None:
         config = model.config
@@ -44,18 +48,31 @@ class NativeForward:
                 weights.linear(mlp.down_proj.weight, mlp.down_proj.bias, mlp.down_proj.quantized),
             )
         self._layers = layers
+        lm_head = weights.linear(model.lm_head.weight, model.lm_head.bias, model.lm_head.quantized)
+        embed, rows = model.embed_tokens, None
+        if embed.weight.is_meta:  # kept only in panels: its rows are read from them
+            tied = embed.weight is model.lm_head.weight
+            self._embed_rows = lm_head if tied else weights.linear(embed.weight, None, embed.quantized)
+            rows = ctypes.pointer(self._embed_rows)
         self.model = model_struct(
             config,
             config.sliding_window or 0,
-            weights.keep(model.embed_tokens.weight, embed_dtype),
+            None if rows else weights.keep(embed.weight, embed_dtype),
             int(embed_dtype == torch.bfloat16),
+            rows,
             weights.keep(model.norm.weight),
             weights.keep(model.rope_cos),
             weights.keep(model.rope_sin),
-            weights.linear(model.lm_head.weight, model.lm_head.bias, model.lm_head.quantized),
+            lm_head,
             layers,
         )
         self._cache = CacheStructs()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the kernels read (their panels, scales and small parameters)."""
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in self.weights.kept}
+        return sum(seen.values())
 
     def __call__(
         self, batch: Batch, cache: KVCache, last_only: bool = False, capture: tuple[int, ...] | list[int] = ()

@@ -273,6 +273,34 @@ static const void *panel_for(const Linear *w, int p, int rows, float *widened, i
     return widened;
 }
 
+/* Token `token`'s embedding in float32: its row of m->embed (bfloat16 widened), or column `token`
+ * of the panels of m->embed_rows, each panel row widened and dequantized as a tile widens it, so
+ * that the values are the very ones the lm head they may be tied to multiplies by. */
+static void embed_row(const Model *m, int64_t token, float *out) {
+    const int hidden = m->hidden;
+    const Linear *w = m->embed_rows;
+    if (w) {
+        const int p = (int)(token / PANEL), column = (int)(token % PANEL);
+        const void *panel = panel_at(w, p);
+        const Groups g = groups_at(w, p);
+        const float scale = w->scale && !w->group ? w->scale[token] : 1.0f; /* int8 with a scale per output */
+        for (int i = 0; i < hidden; i++) {
+            vf row[4];
+            load_row(w->format, panel, i, PANEL, row);
+            if (g.size) dequantize(row, &g, i / g.size);
+            out[i] = row[column / 16][column % 16] * scale;
+        }
+    } else if (m->embed_bf16) {
+        const uint16_t *in = (const uint16_t *)m->embed + token * hidden;
+        for (int i = 0; i < hidden; i++) {
+            const uint32_t bits = (uint32_t)in[i] << 16;
+            memcpy(out + i, &bits, sizeof(float));
+        }
+    } else {
+        memcpy(out, (const float *)m->embed + token * hidden, sizeof(float) * (size_t)hidden);
+    }
+}
+
 /* y[m] (+)= x[m] @ w.T (+ bias) for m < rows; y_row(m) = y + (index ? index[m] : m) * ldy.
  * Called by every thread of the team: panels are shared out, and the team waits at the end. */
 static void linear(const float *x, int rows, const Linear *w, float *y, int64_t ldy, const int64_t *index,
@@ -560,17 +588,7 @@ int adaspec_forward(const Model *m, const Cache *cache, const Batch *b) {
         float *widened = widened_arena + omp_get_thread_num() * widest;
 #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {
-            const int64_t row = b->tokens[padded[t]] * hidden;
-            float *out = x + (int64_t)t * hidden;
-            if (m->embed_bf16) {
-                const uint16_t *in = (const uint16_t *)m->embed + row;
-                for (int i = 0; i < hidden; i++) {
-                    const uint32_t bits = (uint32_t)in[i] << 16;
-                    memcpy(out + i, &bits, sizeof(float));
-                }
-            } else {
-                memcpy(out, (const float *)m->embed + row, sizeof(float) * (size_t)hidden);
-            }
+            embed_row(m, b->tokens[padded[t]], x + (int64_t)t * hidden);
         }
 
         for (int l = 0; l < m->num_layers; l++) {
@@ -742,16 +760,7 @@ int adaspec_eagle3_step(const Model *m, const float *hidden_norm, int norm_befor
 #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {
             float embedded[hidden];
-            const int64_t row = token_ids[t] * hidden;
-            if (m->embed_bf16) {
-                const uint16_t *in = (const uint16_t *)m->embed + row;
-                for (int i = 0; i < hidden; i++) {
-                    const uint32_t bits = (uint32_t)in[i] << 16;
-                    memcpy(embedded + i, &bits, sizeof(float));
-                }
-            } else {
-                memcpy(embedded, (const float *)m->embed + row, sizeof(float) * (size_t)hidden);
-            }
+            embed_row(m, token_ids[t], embedded);
             float *out = joined + (int64_t)t * 2 * hidden;
             rms_norm(embedded, layer->input_norm, hidden, m->eps, out);
             rms_norm(features + (int64_t)t * hidden, hidden_norm, hidden, m->eps, out + hidden);

@@ -49,6 +49,9 @@ typedef struct {
     float eps;
     const void *embed;               /* [vocab, hidden], bfloat16 where `embed_bf16` */
     int32_t embed_bf16;
+    const Linear *embed_rows;        /* or NULL: each token's embedding is this weight's row, read from
+                                      * its panels (a quantized embedding kept only there, or the grouped
+                                      * lm head it is tied to); `embed` is then unused */
     const float *norm;               /* [hidden] */
     const float *rope_cos, *rope_sin; /* [positions, head_dim]; sin with rotate-half's sign */
     Linear lm_head;

@@ -7,10 +7,11 @@ import ctypes
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.native.abi import Batch, Cache, Linear, Model
 
@@ -126,32 +127,91 @@ class Weights:
         n, k = packed.shape[0] * PANEL, weight.shape[1]
         return Linear(packed.data_ptr(), self.keep(bias), self.keep(scale), None, n, k, FORMATS[self.linears], 0)
 
-    def _grouped(self, q: GroupQuantized, bias: Tensor | None, inter: int | None = None) -> Linear:
-        """Grouped weights as panels (the gate/up interleaving given `inter`): values, uint4 two to
-        a byte (a panel row's column j low, j + 32 high), and each group's scale and min arranged
-        as the values are, [panels, groups, PANEL]."""
-        if inter is None:
-            arrange: Callable[[Tensor], Tensor] = panels
-        else:
-            arrange = lambda t: panels(gate_up_rows(t, inter))  # noqa: E731
-            bias = gate_up_rows(bias, inter) if bias is not None else None
-        packed = arrange(q.values)
-        if q.uint4:
-            half = PANEL // 2
-            packed = (packed[..., :half] | (packed[..., half:] << 4)).contiguous()
-        self.kept.append(packed)
-        scales, mins = (self.keep(arrange(t)) if t is not None else None for t in (q.scales, q.mins))
-        n = packed.shape[0] * PANEL if inter is not None else q.values.shape[0]
+    def _grouped(self, q: GroupQuantized | GroupPanels, bias: Tensor | None, inter: int | None = None) -> Linear:
+        """Grouped weights as panels: `q`'s own where it is packed already (no copy), else packed
+        here (`pack_groups`); the gate/up interleaving given `inter`."""
+        if not isinstance(q, GroupPanels):
+            q = pack_groups(q, inter)
+        elif q.gate_up != inter:
+            raise ValueError(f"panels packed for gate/up {q.gate_up} served as gate/up {inter}")
+        if inter is not None and bias is not None:
+            bias = gate_up_rows(bias, inter)
+        self.kept.extend(t for t in (q.values, q.scales, q.mins) if t is not None)
         return Linear(
-            packed.data_ptr(),
+            q.values.data_ptr(),
             self.keep(bias),
-            scales,
-            mins,
-            n,
-            q.values.shape[1],
+            q.scales.data_ptr(),
+            q.mins.data_ptr() if q.mins is not None else None,
+            q.n,
+            q.k,
             UINT4 if q.uint4 else FORMATS[torch.int8],
             q.group,
         )
+
+
+@dataclass(frozen=True)
+class GroupPanels:
+    """A weight in groups (engine/model/quantize.py) as the kernels stream it, made once by
+    `pack_groups`: a model served from quantized weights keeps only this (a byte, or half a byte,
+    a weight; its scales and mins a float a group), and anything else that needs the weight
+    dequantizes it from here (`dequantize`)."""
+
+    values: Tensor  # int8 [panels, k, PANEL], or uint8 [panels, k, PANEL / 2] holding uint4 two a byte
+    scales: Tensor  # float32 [panels, groups, PANEL]
+    mins: Tensor | None
+    n: int  # output rows the kernels compute (gate/up's padded and interleaved)
+    k: int
+    group: int
+    uint4: bool
+    gate_up: int | None  # the intermediate size where gate and up rows are interleaved (`gate_up_rows`)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.mins) if t is not None)
+
+    def dequantize(self) -> Tensor:
+        """The float32 weight [rows, k] these panels stand for, rows in the model's order: values *
+        scale + min, rounded as the kernels round them (every product is exact)."""
+        values = self.values
+        if self.uint4:
+            values = torch.cat((values & 15, values >> 4), dim=-1)
+        per_value = lambda t: t.repeat_interleave(self.group, dim=1)[:, : self.k]  # noqa: E731
+        weight = values.float() * per_value(self.scales)
+        if self.mins is not None:
+            weight += per_value(self.mins)
+        rows = weight.transpose(1, 2).reshape(-1, self.k)
+        if self.gate_up is None:
+            return rows[: self.n]
+        gate, up = rows.view(-1, 2, PANEL // 2, self.k).unbind(1)
+        return torch.cat((gate.reshape(-1, self.k)[: self.gate_up], up.reshape(-1, self.k)[: self.gate_up]))
+
+
+def pack_groups(q: GroupQuantized, inter: int | None = None) -> GroupPanels:
+    """`q` in panels (the gate/up interleaving given `inter`): values, uint4 two to a byte (a panel
+    row's column j low, j + 32 high), and each group's scale and min arranged as the values are,
+    [panels, groups, PANEL]."""
+    if inter is None:
+        arrange: Callable[[Tensor], Tensor] = panels
+    else:
+        arrange = lambda t: panels(gate_up_rows(t, inter))  # noqa: E731
+    packed = arrange(q.values)
+    if q.uint4:
+        half = PANEL // 2
+        packed = (packed[..., :half] | (packed[..., half:] << 4)).contiguous()
+    scales, mins = (arrange(t).float().contiguous() if t is not None else None for t in (q.scales, q.mins))
+    n = packed.shape[0] * PANEL if inter is not None else q.values.shape[0]
+    return GroupPanels(packed, scales, mins, n, q.values.shape[1], q.group, q.uint4, inter)
+
+
+def serve_packed(module: nn.Module, quantized: GroupQuantized, gate_up: int | None = None) -> None:
+    """`module` (an engine.model.layers Linear or Embedding) served from `quantized` by the kernels
+    alone: packed into panels once (the gate/up interleaving given `gate_up`), which are then the
+    only copy kept; its weight goes to the meta device, and whatever needs its float values
+    dequantizes them from the panels (engine/model/layers.py)."""
+    module.quantized = pack_groups(quantized, gate_up)
+    module.weight = nn.Parameter(torch.empty(quantized.values.shape, device="meta"), requires_grad=False)
+    if hasattr(module, "packed"):
+        module.packed = None  # oneDNN's copy of the weight it replaces
 
 
 class CacheStructs:
@@ -172,7 +232,7 @@ class CacheStructs:
 
 
 def model_struct(config: ModelConfig | DFlashConfig, sliding_window: int, *pointers: object) -> Model:
-    """The kernels' model: its shape from `config`, then embed, embed_bf16, norm, rope_cos,
+    """The kernels' model: its shape from `config`, then embed, embed_bf16, embed_rows, norm, rope_cos,
     rope_sin, lm_head and layers."""
     return Model(
         config.num_layers,
