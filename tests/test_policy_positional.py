@@ -163,8 +163,9 @@ def test_on_stationary_traffic_it_serves_within_a_percent_of_the_best_k_whatever
 
 def test_when_the_best_k_changes_it_follows_within_a_few_hundred_rounds():
     policy = PositionalPolicy(LADDER)
-    run(policy, live(0.9), 1000)
-    assert policy.serving >= 4
+    # at 90% acceptance k = 3 to 7 are within 4% of one another, k = 2 and below far behind
+    high = run(policy, live(0.9), 1000)
+    assert policy.serving >= 3 and rate(high[500:]) >= 0.97 * mean_rate(lambda: live(0.9), 4, 1)
     moved = run(policy, live(0.3), 300, seed=1)
     assert policy.serving <= 1  # at 30% acceptance k = 0 and k = 1 are within 1%
     assert rate(run(policy, live(0.3), 500, seed=2)) >= 0.97 * mean_rate(lambda: live(0.3), 0, 1)

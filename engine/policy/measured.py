@@ -10,11 +10,10 @@ from typing import NamedTuple
 
 from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
-from engine.policy.schedule import START_K, Schedule
+from engine.policy.schedule import MAX_SPACING, START_K, Schedule
 
-# Rounds a k's seconds are taken over, and the most probe intervals between tries of another k.
+# Rounds a k's seconds are taken over.
 WINDOW_ROUNDS = 32
-MAX_SPACING = 64
 
 # How many times the median round of its window a round is believed to have taken: a round the
 # machine stalled in (another process held the cores) says nothing about the next one.

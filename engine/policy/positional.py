@@ -8,9 +8,11 @@ import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
 from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
-from engine.policy.schedule import START_K, Schedule
+from engine.policy.schedule import MAX_SPACING, START_K, Schedule
 
 # Rounds over which what is kept at each position loses half its weight: the traffic changes, and
 # an old estimate must grow uncertain enough to be checked again ...
@@ -35,30 +37,23 @@ CLIP = 3 * COMPARISON_SPREAD
 # are believed, as a log spread: on a published model the timed k = 7 / k = 5 ratio was 10% off
 # the live one.
 PROFILE_SPREAD = 0.1
-# A round at another k is compared with the median of the served k's rounds around it: this
-# many just before and as many just after (a new request's shorter context falls on both sides).
+# A round at another k is compared with the mean of the served k's rounds around it: this many
+# just before and as many just after (a new request's shorter context falls on both sides). The
+# mean, not the median: a drafter's rare dear rounds (taking in each new prompt) are what drafting
+# costs, and k = 0 is spared them.
 PAIRED_ROUNDS = 3
+SERVED_ROUNDS = 16  # the served k's latest rounds, whose mean prices what a try loses
+# Keep chances, each position's ratio kept and the sequences each rests on (PositionalPolicy);
+# each k's log rate and its standard error.
+Positions = tuple[list[float], list[float], list[float]]
+Rates = dict[int, tuple[float, float]]
 TIMED = -1  # the node of the profile in the comparisons: each k's timed seconds are c_k - c_TIMED
-
-
-def solve(matrix: list[list[float]], columns: list[list[float]]) -> list[list[float]]:
-    """matrix^-1 @ columns by Gauss-Jordan elimination (matrix symmetric positive definite)."""
-    n = len(matrix)
-    rows = [matrix[i][:] + [c[i] for c in columns] for i in range(n)]
-    for i in range(n):
-        pivot = rows[i][i]
-        rows[i] = [v / pivot for v in rows[i]]
-        for r in range(n):
-            if r != i and rows[r][i]:
-                factor = rows[r][i]
-                rows[r] = [v - factor * p for v, p in zip(rows[r], rows[i])]
-    return [[rows[i][n + c] for i in range(n)] for c in range(len(columns))]
 
 
 class Costs:
     """What a round at each k costs at one batch size, next to the k served.
 
-    Every round at another k (a try) is compared with the median of the served k's rounds around
+    Every round at another k (a try) is compared with the mean of the served k's rounds around
     it, PAIRED_ROUNDS before and after: their log ratio, not their seconds, is kept, so that the
     context's length and the machine's load, which move both alike, cancel. A move from one k to
     another compares the last rounds of the one with the first rounds of the other. Each pair of
@@ -69,7 +64,7 @@ class Costs:
 
     def __init__(self, served: int, priors: dict[int, float]):
         self.served = served
-        self.reference: deque[float] = deque(maxlen=PAIRED_ROUNDS)  # the served k's latest rounds
+        self.reference: deque[float] = deque(maxlen=SERVED_ROUNDS)  # the served k's latest rounds
         # rounds waiting for the served rounds after them: (k, its rounds, served rounds before, after)
         self.pending: list[tuple[int, list[float], list[float], list[float]]] = []
         # (i, j), i < j -> decayed weight, weighted sum of c_j - c_i, the round they were decayed to
@@ -79,8 +74,8 @@ class Costs:
 
     def add(self, k: int, seconds: float, now: int) -> None:
         if k != self.served:
-            if len(self.reference) == PAIRED_ROUNDS:
-                self.pending.append((k, [seconds], list(self.reference), []))
+            if len(self.reference) >= PAIRED_ROUNDS:
+                self.pending.append((k, [seconds], list(self.reference)[-PAIRED_ROUNDS:], []))
             return
         self.reference.append(seconds)
         for waiting in self.pending:
@@ -91,7 +86,7 @@ class Costs:
 
     def _compare(self, k: int, rounds: list[float], before: list[float], after: list[float], now: int) -> None:
         """One comparison of k's rounds with the served k's rounds around them."""
-        ratio = math.log(statistics.median(rounds)) - math.log(statistics.median(before + after))
+        ratio = math.log(statistics.fmean(rounds)) - math.log(statistics.fmean(before + after))
         i, j, sign = (self.served, k, 1) if self.served < k else (k, self.served, -1)
         pair = self.pairs.setdefault((i, j), [0.0, 0.0, now])
         decay = 0.5 ** ((now - pair[2]) / COST_HALF_LIFE)
@@ -105,13 +100,17 @@ class Costs:
 
     def ready(self) -> bool:
         """Whether a try now would have served rounds before it to be compared with."""
-        return len(self.reference) == PAIRED_ROUNDS
+        return len(self.reference) >= PAIRED_ROUNDS
+
+    def round_seconds(self) -> float | None:
+        """What a round at the k served costs now: the mean of its latest rounds."""
+        return statistics.fmean(self.reference) if self.reference else None
 
     def serve(self, k: int, now: int) -> None:
         """Serve k: the rounds of the k left wait to be compared with k's first rounds."""
         if k == self.served:
             return
-        left, before = self.served, list(self.reference)
+        left, before = self.served, list(self.reference)[-PAIRED_ROUNDS:]
         for waiting in self.pending:  # compared with the served rounds there are
             if waiting[3]:
                 self._compare(*waiting, now)
@@ -151,9 +150,9 @@ class Costs:
                         matrix[index[a]][index[b]] -= weight
         if not others:
             return {self.served: (0.0, 0.0)}
-        units = [[float(r == c) for r in range(len(others))] for c in range(len(others))]
-        fit, inverse = solve(matrix, [vector])[0], solve(matrix, units)
-        out = {k: (fit[index[k]], math.sqrt(max(inverse[index[k]][index[k]], 0.0))) for k in others if k != TIMED}
+        inverse = np.linalg.inv(np.array(matrix))  # the fit's covariance: each k's error on its diagonal
+        fit = inverse @ np.array(vector)
+        out = {k: (float(fit[n]), math.sqrt(max(inverse[n, n], 0.0))) for k, n in index.items() if k != TIMED}
         out[self.served] = (0.0, 0.0)
         return out
 
@@ -179,8 +178,10 @@ class PositionalPolicy(Schedule):
     k whose rate CONFIDENCE standard errors up is highest, if that beats the k served's: a k
     that might be faster is measured, one surely slower is not. What is kept forgets with a
     half-life of HALF_LIFE_ROUNDS rounds and what k's cost with one of COST_HALF_LIFE, so a k
-    no longer tried is tried again once its estimate has grown uncertain. Tries lose at most
-    `exploration` of the serving time and are at least `probe_interval` rounds apart.
+    no longer tried is tried again once its estimate has grown uncertain. Each try is charged all
+    it cost (a drafter catching up after k = 0 included) beyond serving its tokens at the served
+    k's rate, and the next waits until tries have lost at most `exploration` of the serving time,
+    at least `probe_interval` rounds.
     """
 
     blind_at_zero = False
@@ -206,6 +207,7 @@ class PositionalPolicy(Schedule):
         self.timed_sizes = sorted({b for _, b in self.profile})
         self.costs: dict[int, Costs] = {}  # batch size -> what rounds cost there
         self.trying = 0  # rounds left of the current try
+        self.trial: list[float] | None = None  # expected tokens and seconds of the current try
         self.next_try = 0  # the round from which another try may start
         self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
 
@@ -225,7 +227,7 @@ class PositionalPolicy(Schedule):
         """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
         return self._positions()[0]
 
-    def _positions(self) -> tuple[list[float], list[float], list[float]]:
+    def _positions(self) -> Positions:
         """Keep chances, each position's ratio kept, and the sequences each ratio rests on."""
         chances, ratios, counts, survive, previous = [1.0], [1.0], [math.inf], 1.0, 0.5
         prior = PRIOR_WEIGHT * self.weight
@@ -242,11 +244,12 @@ class PositionalPolicy(Schedule):
         """Tokens a sequence is expected to emit a round at k."""
         return sum(self.keep_chances()[: k + 1])
 
-    def _log_tokens(self, k: int, served: int) -> tuple[float, float]:
+    @staticmethod
+    def _log_tokens(k: int, served: int, positions: Positions) -> tuple[float, float]:
         """The log of k's tokens a round, and its standard error next to the k served's: from
         the positions beyond the k served only (those up to it the served rounds count for both
         alike), each ratio of p on n sequences with a log error of sqrt((1 - p) / (p n))."""
-        chances, ratios, counts = self._positions()
+        chances, ratios, counts = positions
         tokens = sum(chances[: k + 1])
         variance = 0.0
         for j in range(served + 1, k + 1):
@@ -254,14 +257,14 @@ class PositionalPolicy(Schedule):
             variance += sum(chances[j : k + 1]) ** 2 * (1 - p) / (p * counts[j])
         return math.log(tokens), math.sqrt(variance) / tokens
 
-    def log_rates(self, batch_size: int) -> dict[int, tuple[float, float]]:
+    def log_rates(self, batch_size: int) -> Rates:
         """Each k's log tokens a second, less the k served's seconds, and its standard error next
         to the k served's, for the k's whose seconds something says."""
-        costs = self.costs_at(batch_size)
+        costs, positions = self.costs_at(batch_size), self._positions()
         out = {}
         for k, (cost, cost_error) in costs.relative(self.rounds).items():
             if k in self.candidates:
-                tokens, error = self._log_tokens(k, costs.served)
+                tokens, error = self._log_tokens(k, costs.served, positions)
                 out[k] = (tokens + math.log(batch_size) - cost, math.hypot(error, cost_error))
         return out
 
@@ -294,30 +297,48 @@ class PositionalPolicy(Schedule):
     def observe(self, observation: Observation) -> Decision | None:
         if not observation.accepted:
             return None
+        catching_up = self.after_zero
         self.learn(observation)
         b = observation.batch_size
+        if self.trial is not None and (self.trying or catching_up):
+            # The tokens a round at its k is expected to serve, not what this one happened to
+            # keep: a single round's luck would call a try free, or dear, by chance.
+            self.trial[0] += self.tokens(observation.k) * observation.batch_size
+            self.trial[1] += observation.seconds
         if b != self.batch_size:
-            self.batch_size, self.trying = b, 0
+            self.batch_size, self.trying, self.trial = b, 0, None
             return self._serve_fastest(b, "batch")
         if self.trying:
             self.trying -= 1
-            return None if self.trying else self._serve_fastest(b, "measured")
+            if self.trying:
+                return None
+            decision = self._serve_fastest(b, "measured")
+            if not self.after_zero:  # else the drafter's catch-up, next round, is the try's too
+                self._space_tries(b)
+            return decision
+        if self.trial is not None:
+            self._space_tries(b)
         self.batches += 1
         if self.batches < self.params.warmup_batches or self.batches % self.params.update_interval:
             return None
-        return self._serve_fastest(b, "measured") or self._try_other_k(b)
+        served, rates = self.serving, self.log_rates(b)
+        decision = self._serve_fastest(b, "measured", rates)
+        if decision is not None:
+            return decision
+        return self._try_other_k(b, rates if self.serving == served else self.log_rates(b))
 
-    def _serve_fastest(self, b: int, reason: str) -> Decision | None:
+    def _serve_fastest(self, b: int, reason: str, rates: Rates | None = None) -> Decision | None:
         """Serve the k with the most tokens a second among those that beat the k served by more
         than their standard error; back to the k served after a try otherwise."""
-        costs, rates = self.costs_at(b), self.log_rates(b)
+        costs = self.costs_at(b)
+        rates = self.log_rates(b) if rates is None else rates
         here = rates.get(costs.served, (-math.inf, 0.0))[0]
         sure = [k for k, (rate, error) in rates.items() if rate - error > here] + [costs.served]
         best = max(sure, key=lambda k: rates[k][0] if k in rates else here)
         costs.serve(best, self.rounds)
         return None if best == self._k else self.move(best, reason)
 
-    def _try_other_k(self, b: int) -> Decision | None:
+    def _try_other_k(self, b: int, rates: Rates) -> Decision | None:
         """A round at the k whose rate, CONFIDENCE standard errors up, is highest, if that beats
         the k served's, or at one nothing prices yet: among the shorter k's (whose tokens the
         served rounds say, so only their seconds are uncertain) and the next longer one (a k
@@ -327,7 +348,7 @@ class PositionalPolicy(Schedule):
         costs = self.costs_at(b)
         if self.rounds < self.next_try or not costs.ready():
             return None
-        rates, here = self.log_rates(b), costs.served
+        here = costs.served
         at = self.candidates.index(here)
         reach = self.candidates[:at] + self.candidates[at + 1 : at + 2]
         bounds = {k: rates[k][0] + CONFIDENCE * rates[k][1] if k in rates else math.inf for k in reach}
@@ -336,11 +357,23 @@ class PositionalPolicy(Schedule):
             return None
         # From k = 0 the drafter catches up in its first round: a second one measures k.
         self.trying = 2 if here == 0 else 1
-        # What the try is expected to lose, in rounds served, spread so that tries lose at most
-        # `exploration` of the serving time.
-        loss = self.trying * max(0.0, 1 - math.exp(rates[k][0] - rates[here][0])) if k in rates else 0.0
-        self.next_try = self.rounds + max(self.params.probe_interval, math.ceil(loss / self.params.exploration))
+        self.trial = [0, 0.0]
+        self.next_try = self.rounds + self.params.probe_interval
         return self.move(k, "probe")
+
+    def _space_tries(self, b: int) -> None:
+        """Put off the next try by what this one lost against the k served, so that tries lose at
+        most `exploration` of the serving time: all it cost, a drafter catching up after k = 0
+        included, beyond serving its tokens at the served k's rate."""
+        costs, (tokens, seconds) = self.costs_at(b), self.trial or (0, 0.0)
+        self.trial = None
+        served = costs.round_seconds()
+        if served is None:
+            return
+        rate = self.tokens(costs.served) * b / served
+        spacing = max(0.0, seconds - tokens / rate) / (self.params.exploration * served)
+        spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
+        self.next_try = self.rounds + math.ceil(spacing)
 
     def move(self, k: int, reason: str) -> Decision:
         self.after_zero = self._k == 0 and k > 0
@@ -349,7 +382,7 @@ class PositionalPolicy(Schedule):
     def set_k(self, k: int) -> None:
         self.after_zero = self._k == 0 and k > 0
         super().set_k(k)
-        self.trying = 0
+        self.trying, self.trial = 0, None
         self.costs_at(self.batch_size).serve(self._k, self.rounds)
 
     def update_params(self, params: PolicyParams) -> None:
@@ -357,5 +390,5 @@ class PositionalPolicy(Schedule):
         size = max(self.candidates) + 1
         self.reached = (self.reached + [0.0] * size)[:size]
         self.kept = (self.kept + [0.0] * size)[:size]
-        self.trying = 0
+        self.trying, self.trial = 0, None
         self.costs_at(self.batch_size).serve(self._k, self.rounds)

@@ -8,6 +8,8 @@ from collections.abc import Sequence as Seq
 from engine.policy.contracts import Decision, Observation, RoundProfile, snap
 from engine.policy.params import PolicyParams
 
+# The most probe intervals between tries of another k (measured and positional).
+MAX_SPACING = 64
 # Where a new engine starts (the nearest candidate): where drafting pays, as at batch 1, the best k
 # is a few steps above, where it loses, as at larger batches on two cores, a few steps below.
 # Chosen on the tuning half of the workload suite: from the default ladder's middle (3) a new
