@@ -86,24 +86,11 @@ DEFAULT_CANDIDATES: Mapping[str, tuple[int, ...]] = {
 }
 
 
-# The exploration budget by strategy: positional tries only a k that might be faster, and its
-# tries from k = 0 take two rounds (the drafter catches up in the first).
-DEFAULT_EXPLORATION: Mapping[str, float] = {"ema": 0.01, "measured": 0.01, "positional": 0.005}
-
-
-def _strategy(values: Mapping[str, Any]) -> str:
+def _default_candidates(values: Mapping[str, Any]) -> tuple[int, ...]:
     strategy = values.get("adaptive.strategy")
     if not isinstance(strategy, str) or strategy not in DEFAULT_CANDIDATES:  # unset, or invalid itself
         strategy = SCHEMA["adaptive"].keys["strategy"].default
-    return strategy
-
-
-def _default_candidates(values: Mapping[str, Any]) -> tuple[int, ...]:
-    return DEFAULT_CANDIDATES[_strategy(values)]
-
-
-def _default_exploration(values: Mapping[str, Any]) -> float:
-    return DEFAULT_EXPLORATION[_strategy(values)]
+    return DEFAULT_CANDIDATES[strategy]
 
 
 def _default_mode(values: Mapping[str, Any]) -> str:
@@ -169,10 +156,10 @@ SCHEMA: Mapping[str, Section] = {
         "down_hysteresis": Key("float", -0.25, "ema: margin (usually negative) before moving down a tier"),
         "probe_interval": Key("int", 10, "ema: rounds at k = 0 before it drafts again; measured and positional:"
                               " fewest rounds between tries of another k", lo=1),
-        "switch_margin": Key("float", 0.02, "measured: fraction by which a tried k must beat the current one",
-                             lo=0),
-        "exploration": Key("float", _default_exploration, "measured and positional: share of serving time"
-                           " tries of other k's may lose; default: by strategy", lo=0, lo_open=True, hi=1),
+        "switch_margin": Key("float", 0.02, "measured and positional: fraction by which a k must beat the"
+                             " current one (measured: as tried; positional: as estimated)", lo=0),
+        "exploration": Key("float", 0.01, "measured and positional: share of serving time tries of other k's"
+                           " may lose", lo=0, lo_open=True, hi=1),
         "exploration_backoff": Key("float", 2.0, "measured: how many times longer each further try of a"
                                    " shorter k that lost again waits", lo=1),
         "draft_confidence": Key("float", 0.1, "every strategy, with the dflash and eagle3 drafters: verify a"

@@ -34,6 +34,11 @@ class EmaPolicy(Schedule):
         self._ema = float(max(self._k - 1, 0))
 
     @property
+    def serving(self) -> int:
+        """The k served (probes from k = 0 are the ladder's own moves, not tries)."""
+        return self._k
+
+    @property
     def ema(self) -> float:
         return self._ema
 

@@ -10,10 +10,7 @@ from typing import NamedTuple
 
 from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
-from engine.policy.schedule import MAX_SPACING, START_K, Schedule
-
-# Rounds a k's seconds are taken over.
-WINDOW_ROUNDS = 32
+from engine.policy.schedule import MAX_SPACING, START_K, WINDOW_ROUNDS, Schedule
 
 # How many times the median round of its window a round is believed to have taken: a round the
 # machine stalled in (another process held the cores) says nothing about the next one.
@@ -90,6 +87,7 @@ class MeasuredPolicy(Schedule):
 
     @property
     def serving(self) -> int:
+        """The k served between tries: the one a try left."""
         return self._k if self.probe_from is None else self.probe_from
 
     def current(self, k: int, batch_size: int) -> deque[Round] | None:

@@ -1,160 +1,33 @@
 """The positional strategy: what every k would serve, from how often each draft position is kept
-on the rounds served and what a round at each k costs next to a round at the k served."""
+on the rounds served and what a round at each k costs (timed before serving, then measured)."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
 from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
-from engine.policy.schedule import MAX_SPACING, START_K, Schedule
+from engine.policy.schedule import MAX_SPACING, START_K, WINDOW_ROUNDS, Schedule
 
-# Rounds over which what is kept at each position loses half its weight: the traffic changes, and
-# an old estimate must grow uncertain enough to be checked again ...
+# Rounds over which what was counted at a draft position loses half its weight: the traffic may
+# change, and a position reached only by tries keeps its count for a while.
 HALF_LIFE_ROUNDS = 64
-# ... and what each k costs next to another: a ratio of two k's costs moves far more slowly than
-# what is kept (the context's length and the machine's load fall on both sides of a comparison),
-# and a few percent between two k's takes many comparisons to tell.
-COST_HALF_LIFE = 4 * HALF_LIFE_ROUNDS
 # A position never reached is believed as likely kept as the one before it, with this weight in
 # sequences; the first position, half the time.
 PRIOR_WEIGHT = 2.0
-# A k is tried only while its tokens a second, this many standard errors above its estimate, beat
-# the k served's: a k that might be faster is measured, one surely slower is left alone.
-CONFIDENCE = 2.0
-# The spread of one comparison of two k's on the log of their round seconds: a round's seconds
-# vary by 6 to 9% median absolute deviation on two cores, and the median it is set against by a
-# few percent more. A comparison further than CLIP from what the pair's others say (a round the
-# machine stalled in) counts as that far.
-COMPARISON_SPREAD = 0.09
-CLIP = 3 * COMPARISON_SPREAD
-# How far the seconds timed before serving (the profile, on other sequences, shorter contexts)
-# are believed, as a log spread: on a published model the timed k = 7 / k = 5 ratio was 10% off
-# the live one.
-PROFILE_SPREAD = 0.1
-# A round at another k is compared with the mean of the served k's rounds around it: this many
-# just before and as many just after (a new request's shorter context falls on both sides). The
-# mean, not the median: a drafter's rare dear rounds (taking in each new prompt) are what drafting
-# costs, and k = 0 is spared them.
-PAIRED_ROUNDS = 3
-SERVED_ROUNDS = 16  # the served k's latest rounds, whose mean prices what a try loses
-# Keep chances, each position's ratio kept and the sequences each rests on (PositionalPolicy);
-# each k's log rate and its standard error.
-Positions = tuple[list[float], list[float], list[float]]
-Rates = dict[int, tuple[float, float]]
-TIMED = -1  # the node of the profile in the comparisons: each k's timed seconds are c_k - c_TIMED
-
-
-class Costs:
-    """What a round at each k costs at one batch size, next to the k served.
-
-    Every round at another k (a try) is compared with the mean of the served k's rounds around
-    it, PAIRED_ROUNDS before and after: their log ratio, not their seconds, is kept, so that the
-    context's length and the machine's load, which move both alike, cancel. A move from one k to
-    another compares the last rounds of the one with the first rounds of the other. Each pair of
-    k's keeps the mean of its comparisons, each weighing less as it ages (halved every
-    COST_HALF_LIFE rounds); each k's cost is the least-squares fit of all of them (and of the
-    profile, believed to within PROFILE_SPREAD), so that k's compared only with others are priced
-    through them, and the fit says how sure each is."""
-
-    def __init__(self, served: int, priors: dict[int, float]):
-        self.served = served
-        self.reference: deque[float] = deque(maxlen=SERVED_ROUNDS)  # the served k's latest rounds
-        # rounds waiting for the served rounds after them: (k, its rounds, served rounds before, after)
-        self.pending: list[tuple[int, list[float], list[float], list[float]]] = []
-        # (i, j), i < j -> decayed weight, weighted sum of c_j - c_i, the round they were decayed to
-        self.pairs: dict[tuple[int, int], list[float]] = {}
-        for k, seconds in priors.items():
-            self.pairs[(TIMED, k)] = [PROFILE_SPREAD**-2, PROFILE_SPREAD**-2 * seconds, math.inf]
-
-    def add(self, k: int, seconds: float, now: int) -> None:
-        if k != self.served:
-            if len(self.reference) >= PAIRED_ROUNDS:
-                self.pending.append((k, [seconds], list(self.reference)[-PAIRED_ROUNDS:], []))
-            return
-        self.reference.append(seconds)
-        for waiting in self.pending:
-            waiting[3].append(seconds)
-            if len(waiting[3]) == PAIRED_ROUNDS:
-                self._compare(*waiting, now)
-        self.pending = [p for p in self.pending if len(p[3]) < PAIRED_ROUNDS]
-
-    def _compare(self, k: int, rounds: list[float], before: list[float], after: list[float], now: int) -> None:
-        """One comparison of k's rounds with the served k's rounds around them."""
-        ratio = math.log(statistics.fmean(rounds)) - math.log(statistics.fmean(before + after))
-        i, j, sign = (self.served, k, 1) if self.served < k else (k, self.served, -1)
-        pair = self.pairs.setdefault((i, j), [0.0, 0.0, now])
-        decay = 0.5 ** ((now - pair[2]) / COST_HALF_LIFE)
-        pair[0], pair[1], pair[2] = pair[0] * decay, pair[1] * decay, now
-        if pair[0] * COMPARISON_SPREAD**2 >= 1:  # a stalled round is held to CLIP of the others
-            mean = sign * pair[1] / pair[0]
-            ratio = min(max(ratio, mean - CLIP), mean + CLIP)
-        weight = COMPARISON_SPREAD**-2
-        pair[0] += weight
-        pair[1] += weight * sign * ratio
-
-    def ready(self) -> bool:
-        """Whether a try now would have served rounds before it to be compared with."""
-        return len(self.reference) >= PAIRED_ROUNDS
-
-    def round_seconds(self) -> float | None:
-        """What a round at the k served costs now: the mean of its latest rounds."""
-        return statistics.fmean(self.reference) if self.reference else None
-
-    def serve(self, k: int, now: int) -> None:
-        """Serve k: the rounds of the k left wait to be compared with k's first rounds."""
-        if k == self.served:
-            return
-        left, before = self.served, list(self.reference)[-PAIRED_ROUNDS:]
-        for waiting in self.pending:  # compared with the served rounds there are
-            if waiting[3]:
-                self._compare(*waiting, now)
-        self.served = k
-        self.reference.clear()
-        # The rounds left are the "try" of this comparison, the new k's first rounds its "after".
-        self.pending = [(left, before, [], [])] if len(before) == PAIRED_ROUNDS else []
-
-    def relative(self, now: int) -> dict[int, tuple[float, float]]:
-        """Each k's log seconds less the served k's, and the standard error, for the k's linked to
-        the served one by comparisons (the profile included)."""
-        edges = {}
-        for (i, j), (weight, total, at) in self.pairs.items():
-            decay = 1.0 if math.isinf(at) else 0.5 ** ((now - at) / COST_HALF_LIFE)
-            if weight * decay > 0:
-                edges[(i, j)] = (weight * decay, total / weight)
-        linked, frontier = {self.served}, [self.served]
-        while frontier:
-            node = frontier.pop()
-            for i, j in edges:
-                for a, b in ((i, j), (j, i)):
-                    if a == node and b not in linked:
-                        linked.add(b)
-                        frontier.append(b)
-        others = sorted(linked - {self.served})
-        index = {k: n for n, k in enumerate(others)}
-        matrix = [[0.0] * len(others) for _ in others]
-        vector = [0.0] * len(others)
-        for (i, j), (weight, mean) in edges.items():
-            if i not in linked:
-                continue
-            for a, b, sign in ((i, j, -1.0), (j, i, 1.0)):
-                if a in index:
-                    matrix[index[a]][index[a]] += weight
-                    vector[index[a]] += sign * weight * mean
-                    if b in index:
-                        matrix[index[a]][index[b]] -= weight
-        if not others:
-            return {self.served: (0.0, 0.0)}
-        inverse = np.linalg.inv(np.array(matrix))  # the fit's covariance: each k's error on its diagonal
-        fit = inverse @ np.array(vector)
-        out = {k: (float(fit[n]), math.sqrt(max(inverse[n, n], 0.0))) for k, n in index.items() if k != TIMED}
-        out[self.served] = (0.0, 0.0)
-        return out
+# Rounds a k's measured seconds stay current: what a round costs moves with the traffic too (the
+# context's length; a hybrid drafter's share of lookups), so k's are compared on recent rounds.
+FRESH_ROUNDS = 4 * HALF_LIFE_ROUNDS
+# A shorter k not timed before serving is tried only while fewer of its rounds than this are
+# current: the rounds served say its tokens exactly, so a try only measures its seconds, and
+# their median wants a few.
+SHORTER_SAMPLES = 8
+# ... unless its rate on those rounds is this much below the k served's: then one current round is
+# enough, as a round's seconds vary by less (6 to 9% median absolute deviation) and more of them
+# would not make it win.
+FAR_BEHIND = 0.1
 
 
 class PositionalPolicy(Schedule):
@@ -165,23 +38,21 @@ class PositionalPolicy(Schedule):
     policy counts, at each draft position j, how many sequences reached j (their first j - 1
     drafts kept) and how many of those kept the j-th; the chance of keeping j drafts is the
     product of those ratios, and a k's tokens a round are 1 plus the sum of those chances up to
-    k. What is kept is shared by every batch size; positions beyond the k served are counted on
-    tries only, and so less surely.
+    k. What is kept is shared by every batch size.
 
-    What a round at another k costs is measured next to the k served (`Costs`): a try's seconds
-    over the median of the served k's rounds around it, at the same batch size, so that a longer
-    context or a busier machine, which slow both, do not tell one k from another. The seconds
-    timed before serving (`profile`) only start each estimate, believed to within 10%.
+    A k's round seconds at a batch size are the median of its own recent rounds there once they
+    fill a window. Before that, where the engine timed every k before serving (`profile`), they
+    are its timed seconds times how much dearer the live rounds are than their own timed seconds
+    (the contexts are longer): a single round is too noisy to set k's a few percent apart. k = 0,
+    which runs no drafter, is priced by its own rounds only.
 
-    The policy serves the k with the most tokens a second among those that beat the k served by
-    more than their standard error. Every decision interval it may try, for a single round, the
-    k whose rate CONFIDENCE standard errors up is highest, if that beats the k served's: a k
-    that might be faster is measured, one surely slower is not. What is kept forgets with a
-    half-life of HALF_LIFE_ROUNDS rounds and what k's cost with one of COST_HALF_LIFE, so a k
-    no longer tried is tried again once its estimate has grown uncertain. Each try is charged all
-    it cost (a drafter catching up after k = 0 included) beyond serving its tokens at the served
-    k's rate, and the next waits until tries have lost at most `exploration` of the serving time,
-    at least `probe_interval` rounds.
+    The policy serves the k with the most tokens a second (a move must win by `switch_margin`).
+    Positions beyond the k served are counted only on tries: now and then a single round runs at
+    the next longer k, as often as keeps what tries lose (all they cost, a drafter catching up
+    after k = 0 included) within `exploration` of the serving time. A shorter k that was timed is
+    never tried: its tokens and its seconds are known. One that was not (k = 0 always) is tried
+    only until a few of its rounds are current (one, while those say it is far behind), and at once
+    while none is: until then the policy cannot move there.
     """
 
     blind_at_zero = False
@@ -195,82 +66,100 @@ class PositionalPolicy(Schedule):
     ):
         super().__init__(params, initial_k if initial_k is not None else START_K, candidates, profile)
         self.rounds = 0
+        self.rounds_at: dict[int, int] = {}  # batch size -> rounds served at it
         self.batch_size = 1
+        self.serving = self._k  # the k served between tries
         size = max(self.candidates) + 1
         self.reached = [0.0] * size  # sequences that reached position j, decayed
         self.kept = [0.0] * size  # of those, how many kept the j-th draft, decayed
         self.growth = 2 ** (1 / HALF_LIFE_ROUNDS)
         self.weight = 1.0  # the newest round's weight in those counts
-        # k = 0 runs no drafter: what the drafter costs live (each new prompt taken in, catching
-        # up on kept drafts) no timing before serving knows, so k = 0 has no prior.
+        # (k, batch size) -> the round and seconds of k's last rounds at that batch size
+        self.seconds: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self.medians: dict[tuple[int, int], float] = {}  # their medians, as last read
+        self.due: dict[tuple[int, int], int] = {}  # (k, batch size) -> the round a try of k is due
+        self.trying = 0  # rounds left of the current try
+        self.trial = (0, 0, 0.0)  # rounds, tokens and seconds the current try has run
+        # batch size -> recent rounds' seconds over what the profile says they cost: the level of
+        # every k's profiled seconds now (longer contexts, another load on the machine)
+        self.levels: dict[int, deque[float]] = {}
+        self.level_medians: dict[int, float] = {}
+        # k = 0 is measured on its own rounds only: it runs no drafter, and what the drafter costs
+        # live (each new prompt taken in, catching up on kept drafts) no timing before serving
+        # can know, so its timed seconds would set drafting against not drafting wrongly.
         self.profile = {(k, b): seconds for (k, b), seconds in self.profile.items() if k > 0}
         self.timed_sizes = sorted({b for _, b in self.profile})
-        self.costs: dict[int, Costs] = {}  # batch size -> what rounds cost there
-        self.trying = 0  # rounds left of the current try
-        self.trial: list[float] | None = None  # expected tokens and seconds of the current try
-        self.next_try = 0  # the round from which another try may start
+        self.timed_size_for: dict[int, int] = {}  # batch size -> the timed batch size it is priced at
         self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
-
-    @property
-    def serving(self) -> int:
-        """The k served at the current batch size, between tries."""
-        return self.costs_at(self.batch_size).served
-
-    def costs_at(self, batch_size: int) -> Costs:
-        if batch_size not in self.costs:
-            below = [b for b in self.timed_sizes if b <= batch_size] or self.timed_sizes[:1]
-            priors = {k: math.log(s) for (k, b), s in self.profile.items() if below and b == below[-1] and s > 0}
-            self.costs[batch_size] = Costs(self._k, priors)
-        return self.costs[batch_size]
 
     def keep_chances(self) -> list[float]:
         """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
-        return self._positions()[0]
-
-    def _positions(self) -> Positions:
-        """Keep chances, each position's ratio kept, and the sequences each ratio rests on."""
-        chances, ratios, counts, survive, previous = [1.0], [1.0], [math.inf], 1.0, 0.5
+        chances, survive, previous = [1.0], 1.0, 0.5
         prior = PRIOR_WEIGHT * self.weight
         for j in range(1, len(self.reached)):
             ratio = (self.kept[j] + prior * previous) / (self.reached[j] + prior)
             survive *= ratio
             chances.append(survive)
-            ratios.append(ratio)
-            counts.append((self.reached[j] + prior) / self.weight)
             previous = ratio
-        return chances, ratios, counts
+        return chances
 
     def tokens(self, k: int) -> float:
         """Tokens a sequence is expected to emit a round at k."""
         return sum(self.keep_chances()[: k + 1])
 
-    @staticmethod
-    def _log_tokens(k: int, served: int, positions: Positions) -> tuple[float, float]:
-        """The log of k's tokens a round, and its standard error next to the k served's: from
-        the positions beyond the k served only (those up to it the served rounds count for both
-        alike), each ratio of p on n sequences with a log error of sqrt((1 - p) / (p n))."""
-        chances, ratios, counts = positions
-        tokens = sum(chances[: k + 1])
-        variance = 0.0
-        for j in range(served + 1, k + 1):
-            p = min(max(ratios[j], 1e-3), 1 - 1e-3)
-            variance += sum(chances[j : k + 1]) ** 2 * (1 - p) / (p * counts[j])
-        return math.log(tokens), math.sqrt(variance) / tokens
-
-    def log_rates(self, batch_size: int) -> Rates:
-        """Each k's log tokens a second, less the k served's seconds, and its standard error next
-        to the k served's, for the k's whose seconds something says."""
-        costs, positions = self.costs_at(batch_size), self._positions()
-        out = {}
-        for k, (cost, cost_error) in costs.relative(self.rounds).items():
-            if k in self.candidates:
-                tokens, error = self._log_tokens(k, costs.served, positions)
-                out[k] = (tokens + math.log(batch_size) - cost, math.hypot(error, cost_error))
-        return out
-
     def rates(self, batch_size: int) -> dict[int, float]:
-        """Tokens a second at each k whose seconds something says, relative to one another."""
-        return {k: math.exp(rate) for k, (rate, _) in self.log_rates(batch_size).items()}
+        """Tokens a second at each k whose seconds at this batch size were measured lately: the
+        median of its rounds, so that a few tries' rounds that met a new prompt (which the
+        drafter takes in) or a stall of the machine do not decide what their k costs."""
+        chances, rates = self.keep_chances(), {}
+        for k in self.candidates:
+            if seconds := self.median_seconds(k, batch_size):
+                rates[k] = sum(chances[: k + 1]) * batch_size / seconds
+        return rates
+
+    def recent_seconds(self, k: int, batch_size: int) -> deque[tuple[int, float]]:
+        """k's rounds at this batch size within its last FRESH_ROUNDS rounds (a batch size not
+        served meanwhile keeps what was measured at it), as (round there, seconds)."""
+        window = self.seconds.get((k, batch_size), deque())
+        since = self.rounds_at.get(batch_size, 0) - FRESH_ROUNDS
+        while window and window[0][0] < since:
+            window.popleft()
+            self.medians.pop((k, batch_size), None)
+        return window
+
+    def median_seconds(self, k: int, batch_size: int) -> float | None:
+        """What a round at k costs at this batch size: the median of k's own recent rounds once
+        they fill a window, before that its profiled seconds at the live level (single rounds are
+        too noisy to compare k's a few percent apart); None if neither is known."""
+        window = self.recent_seconds(k, batch_size)
+        if len(window) < WINDOW_ROUNDS and (priced := self.priced_seconds(k, batch_size)) is not None:
+            return priced
+        if not window:
+            return None
+        key = (k, batch_size)
+        if key not in self.medians:
+            self.medians[key] = statistics.median(seconds for _, seconds in window)
+        return self.medians[key]
+
+    def profiled(self, k: int, batch_size: int) -> float | None:
+        """k's round seconds in the profile, at the largest batch size timed up to this one."""
+        size = self.timed_size_for.get(batch_size)
+        if size is None:
+            if not self.timed_sizes:
+                return None
+            below = [b for b in self.timed_sizes if b <= batch_size] or self.timed_sizes[:1]
+            size = self.timed_size_for[batch_size] = below[-1]
+        return self.profile.get((k, size))
+
+    def priced_seconds(self, k: int, batch_size: int) -> float | None:
+        """k's profiled seconds times the median of recent rounds' seconds over their own
+        profiled seconds at this batch size; None before such a round."""
+        profiled, ratios = self.profiled(k, batch_size), self.levels.get(batch_size)
+        if profiled is None or not ratios:
+            return None
+        if batch_size not in self.level_medians:
+            self.level_medians[batch_size] = statistics.median(ratios)
+        return profiled * self.level_medians[batch_size]
 
     def learn(self, observation: Observation) -> None:
         self.rounds += 1
@@ -289,91 +178,101 @@ class PositionalPolicy(Schedule):
                 kept_at[j] += w
             if kept < min(proposed, top):
                 reached[kept + 1] += w
+        b = observation.batch_size
+        served = self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
         first, self.after_zero = self.after_zero, False
         if not first and observation.seconds > 0:
             # A drafter left behind at k = 0 catches up in its first round after: not k's cost.
-            self.costs_at(observation.batch_size).add(observation.k, observation.seconds, self.rounds)
+            key = (observation.k, b)
+            self.seconds.setdefault(key, deque(maxlen=WINDOW_ROUNDS)).append((served, observation.seconds))
+            self.medians.pop(key, None)
+            if (profiled := self.profiled(observation.k, b)) is not None:
+                self.levels.setdefault(b, deque(maxlen=WINDOW_ROUNDS)).append(observation.seconds / profiled)
+                self.level_medians.pop(b, None)
 
     def observe(self, observation: Observation) -> Decision | None:
         if not observation.accepted:
             return None
-        catching_up = self.after_zero
         self.learn(observation)
         b = observation.batch_size
-        if self.trial is not None and (self.trying or catching_up):
-            # The tokens a round at its k is expected to serve, not what this one happened to
-            # keep: a single round's luck would call a try free, or dear, by chance.
-            self.trial[0] += self.tokens(observation.k) * observation.batch_size
-            self.trial[1] += observation.seconds
         if b != self.batch_size:
-            self.batch_size, self.trying, self.trial = b, 0, None
+            self.batch_size, self.trying = b, 0
             return self._serve_fastest(b, "batch")
         if self.trying:
             self.trying -= 1
+            rounds, tokens, seconds = self.trial
+            self.trial = (rounds + 1, tokens + observation.tokens, seconds + observation.seconds)
             if self.trying:
                 return None
-            decision = self._serve_fastest(b, "measured")
-            if not self.after_zero:  # else the drafter's catch-up, next round, is the try's too
-                self._space_tries(b)
-            return decision
-        if self.trial is not None:
-            self._space_tries(b)
+            self._space_tries(b, tried=observation.k)
+            # Where the k tried is now the one served, a k beside it not yet measured here is tried
+            # at once: until it is, k cannot move there.
+            return self._serve_fastest(b, "measured") or self._try_other_k(b, unmeasured_only=True)
         self.batches += 1
         if self.batches < self.params.warmup_batches or self.batches % self.params.update_interval:
             return None
-        served, rates = self.serving, self.log_rates(b)
-        decision = self._serve_fastest(b, "measured", rates)
-        if decision is not None:
-            return decision
-        return self._try_other_k(b, rates if self.serving == served else self.log_rates(b))
+        return self._serve_fastest(b, "measured") or self._try_other_k(b)
 
-    def _serve_fastest(self, b: int, reason: str, rates: Rates | None = None) -> Decision | None:
-        """Serve the k with the most tokens a second among those that beat the k served by more
-        than their standard error; back to the k served after a try otherwise."""
-        costs = self.costs_at(b)
-        rates = self.log_rates(b) if rates is None else rates
-        here = rates.get(costs.served, (-math.inf, 0.0))[0]
-        sure = [k for k, (rate, error) in rates.items() if rate - error > here] + [costs.served]
-        best = max(sure, key=lambda k: rates[k][0] if k in rates else here)
-        costs.serve(best, self.rounds)
+    def _serve_fastest(self, b: int, reason: str) -> Decision | None:
+        """Move to the fastest k whose seconds are known here, when it beats the k served by
+        `switch_margin` (or the k served is not known here)."""
+        rates = self.rates(b)
+        best = max(rates, key=rates.__getitem__) if rates else self.serving
+        here = rates.get(self.serving)
+        if here is not None and rates[best] <= here * (1 + self.params.switch_margin):
+            best = self.serving
+        self.serving = best
         return None if best == self._k else self.move(best, reason)
 
-    def _try_other_k(self, b: int, rates: Rates) -> Decision | None:
-        """A round at the k whose rate, CONFIDENCE standard errors up, is highest, if that beats
-        the k served's, or at one nothing prices yet: among the shorter k's (whose tokens the
-        served rounds say, so only their seconds are uncertain) and the next longer one (a k
-        further up is reached through it, as positions beyond are counted on tries only). Never
-        sooner than probe_interval rounds after the last try, nor before the k served has rounds
-        to compare it with."""
-        costs = self.costs_at(b)
-        if self.rounds < self.next_try or not costs.ready():
-            return None
-        here = costs.served
-        at = self.candidates.index(here)
-        reach = self.candidates[:at] + self.candidates[at + 1 : at + 2]
-        bounds = {k: rates[k][0] + CONFIDENCE * rates[k][1] if k in rates else math.inf for k in reach}
-        k = max(bounds, key=bounds.__getitem__, default=here)
-        if k == here or bounds[k] <= rates[here][0]:
-            return None
-        # From k = 0 the drafter catches up in its first round: a second one measures k.
-        self.trying = 2 if here == 0 else 1
-        self.trial = [0, 0.0]
-        self.next_try = self.rounds + self.params.probe_interval
-        return self.move(k, "probe")
+    def _try_other_k(self, b: int, unmeasured_only: bool = False) -> Decision | None:
+        """A round at another k, if one is due: the longer neighbour of the k served, to count
+        the positions beyond it and measure its seconds; a shorter k that was not timed before
+        serving (its tokens the rounds served say exactly) only while fewer than SHORTER_SAMPLES
+        of its rounds are current, and at once, whatever is due, while none is."""
+        here = self.serving
+        # A shorter k the profile prices needs no try: the rounds served already say its tokens.
+        shorter = [k for k in self.candidates if k < here and self.priced_seconds(k, b) is None][::-1]
+        longer = [k for k in self.candidates if k > here][:1]
+        for k in shorter + longer:
+            current = len(self.recent_seconds(k, b))
+            waiting = self.rounds < self.due.get((k, b), 0) or (unmeasured_only and current > 0)
+            enough = 1 if k < here and self._far_behind(k, b) else SHORTER_SAMPLES
+            if (k < here and current >= enough) or (waiting and (k > here or current > 0)):
+                continue
+            # From k = 0 the drafter catches up in its first round: a second one measures k.
+            self.trying, self.trial = (2 if here == 0 else 1), (0, 0, 0.0)
+            self.due[(k, b)] = self.rounds + self.params.probe_interval  # until the try says
+            return self.move(k, "probe")
+        return None
 
-    def _space_tries(self, b: int) -> None:
-        """Put off the next try by what this one lost against the k served, so that tries lose at
-        most `exploration` of the serving time: all it cost, a drafter catching up after k = 0
-        included, beyond serving its tokens at the served k's rate."""
-        costs, (tokens, seconds) = self.costs_at(b), self.trial or (0, 0.0)
-        self.trial = None
-        served = costs.round_seconds()
-        if served is None:
+    def _far_behind(self, k: int, b: int) -> bool:
+        """Whether k serves FAR_BEHIND fewer tokens a second than the k served, on what is current."""
+        rates = self.rates(b)
+        return k in rates and self.serving in rates and rates[k] < (1 - FAR_BEHIND) * rates[self.serving]
+
+    def _space_tries(self, b: int, tried: int) -> None:
+        """Put off the next try of `tried` by what this one lost against the k served, so that tries
+        lose at most `exploration` of the serving time: half of it for tries of the longer
+        neighbour, half for tries of the shorter k's. The try is charged all it cost, a drafter
+        left behind at k = 0 catching up included."""
+        rate, seconds = self.rates(b).get(self.serving), self.median_seconds(self.serving, b)
+        if rate is None or seconds is None:
             return
-        rate = self.tokens(costs.served) * b / served
-        spacing = max(0.0, seconds - tokens / rate) / (self.params.exploration * served)
+        # A shorter k is charged the tokens it is expected to serve, which the rounds served say
+        # exactly, not what its single round happened to keep: a lucky round would call a k that
+        # loses on average free, and bring it back at once. A longer k is charged what its rounds
+        # kept: the positions beyond the k served are known only from tries, maybe long ago.
+        rounds, tokens, spent = self.trial
+        if tried < self.serving:
+            tokens = rounds * self.tokens(tried) * b
+        lost = max(0.0, spent - tokens / rate)
+        # Half the budget is the longer neighbour's; the shorter k's share the other half.
+        share = self.params.exploration / 2
+        if tried < self.serving:
+            share /= sum(k < self.serving and self.priced_seconds(k, b) is None for k in self.candidates)
+        spacing = lost / (share * seconds)
         spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
-        self.next_try = self.rounds + math.ceil(spacing)
+        self.due[(tried, b)] = self.rounds + int(spacing)
 
     def move(self, k: int, reason: str) -> Decision:
         self.after_zero = self._k == 0 and k > 0
@@ -382,13 +281,11 @@ class PositionalPolicy(Schedule):
     def set_k(self, k: int) -> None:
         self.after_zero = self._k == 0 and k > 0
         super().set_k(k)
-        self.trying, self.trial = 0, None
-        self.costs_at(self.batch_size).serve(self._k, self.rounds)
+        self.serving, self.trying = self._k, 0
 
     def update_params(self, params: PolicyParams) -> None:
         super().update_params(params)
         size = max(self.candidates) + 1
         self.reached = (self.reached + [0.0] * size)[:size]
         self.kept = (self.kept + [0.0] * size)[:size]
-        self.trying, self.trial = 0, None
-        self.costs_at(self.batch_size).serve(self._k, self.rounds)
+        self.serving, self.trying = self._k, 0

@@ -8,7 +8,9 @@ from collections.abc import Sequence as Seq
 from engine.policy.contracts import Decision, Observation, RoundProfile, snap
 from engine.policy.params import PolicyParams
 
-# The most probe intervals between tries of another k (measured and positional).
+# What the strategies that measure k (measured, positional) share. Rounds a k's seconds are taken
+# over, and the most probe intervals between tries of another k.
+WINDOW_ROUNDS = 32
 MAX_SPACING = 64
 # Where a new engine starts (the nearest candidate): where drafting pays, as at batch 1, the best k
 # is a few steps above, where it loses, as at larger batches on two cores, a few steps below.
@@ -45,11 +47,6 @@ class Schedule:
 
     @property
     def k(self) -> int:
-        return self._k
-
-    @property
-    def serving(self) -> int:
-        """The k served between tries of others (the k itself where a strategy does not try)."""
         return self._k
 
     @property
