@@ -12,7 +12,7 @@ import ctypes
 import gc
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,21 +228,15 @@ def load_checkpoint(
         )
 
     # A GGUF's grouped matrices, served from their blocks alone: never read as float32.
-    grouped = {n: parts for n in expected if packed and gguf is not None and (parts := _grouped_parts(n, raw))}
+    grouped = {n for n in expected if packed and gguf is not None and _grouped(n, raw)}
     state: dict[str, Tensor] = {}
     for name, shape in expected.items():
         if name in grouped:
             continue
         pieces = []
-        parts = hf_names(name)
-        sizes = _fused_sizes(config, name) if len(parts) > 1 else [shape[0]]
-        for part, rows in zip(parts, sizes):
+        for part, want in _part_shapes(config, name, shape):
             tensor = read(part)
-            want = (rows, *shape[1:])
-            if tuple(tensor.shape) != tuple(want):
-                raise CheckpointError(
-                    f"{files[part]}: tensor {part!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
-                )
+            _check_shape(files[part], part, tensor.shape, want)
             pieces.append(tensor)
         state[name] = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch_device, torch_dtype)
 
@@ -250,8 +244,8 @@ def load_checkpoint(
     # on the meta device, which would load torch's meta kernels: most of a start's second).
     model.load_state_dict(state, strict=False, assign=True)
     del state
-    for name, parts in grouped.items():
-        _serve_blocks(model, name, parts, raw, files)
+    for name in grouped:
+        _serve_blocks(model, name, raw, files)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         model.lm_head.quantized = model.embed_tokens.quantized
@@ -308,25 +302,32 @@ def _gate_up(model: Transformer, name: str) -> int | None:
     return model.config.intermediate_size if name.removesuffix(".weight").endswith("gate_up") else None
 
 
-def _grouped_parts(name: str, raw: dict[str, RawTensor]) -> tuple[str, ...]:
-    """The file's tensors that make up our matrix `name` where all are stored in groups (GROUPED),
-    else nothing: a projection with one part in another type is dequantized whole."""
+def _grouped(name: str, raw: dict[str, RawTensor]) -> bool:
+    """Whether the file stores every tensor of our matrix `name` in groups (GROUPED): a projection
+    with one part in another type is dequantized whole."""
+    return all(raw[p].type in GROUPED for p in hf_names(name))
+
+
+def _part_shapes(config: ModelConfig, name: str, shape: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """The file's tensors our tensor `name` of `shape` is made of, each with the shape it must have
+    (fused parts stacked along the rows)."""
     parts = hf_names(name)
-    return parts if all(raw[p].type in GROUPED for p in parts) else ()
+    sizes = _fused_sizes(config, name) if len(parts) > 1 else [shape[0]]
+    return [(part, (rows, *shape[1:])) for part, rows in zip(parts, sizes)]
 
 
-def _serve_blocks(
-    model: Transformer, name: str, parts: tuple[str, ...], raw: dict[str, RawTensor], files: dict[str, Path]
-) -> None:
+def _check_shape(file: Path, part: str, shape: Sequence[int], want: tuple[int, ...]) -> None:
+    if tuple(shape) != want:
+        raise CheckpointError(f"{file}: tensor {part!r} has shape {tuple(shape)}, expected {want}")
+
+
+def _serve_blocks(model: Transformer, name: str, raw: dict[str, RawTensor], files: dict[str, Path]) -> None:
     """Our matrix `name` served from its parts' blocks: unpacked into groups, stacked row-wise
     where fused, packed into the kernels' panels (`serve_packed`)."""
     groups = []
-    for part, rows in zip(parts, _fused_sizes(model.config, name) if len(parts) > 1 else [None]):
-        tensor = raw[part]
-        want = (rows or tensor.shape[0], model.get_parameter(name).shape[1])
-        if tuple(tensor.shape) != want:
-            raise CheckpointError(f"{files[part]}: tensor {part!r} has shape {tuple(tensor.shape)}, expected {want}")
-        groups.append(unpack_groups(tensor))
+    for part, want in _part_shapes(model.config, name, model.get_parameter(name).shape):
+        _check_shape(files[part], part, raw[part].shape, want)
+        groups.append(unpack_groups(raw[part]))
     serve_packed(model.get_submodule(name.removesuffix(".weight")), _stacked(groups), _gate_up(model, name))
 
 
