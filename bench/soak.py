@@ -1,6 +1,6 @@
 """Soak a daemon: many clients while its config is edited and k pinned and forced.
 
-    python -m bench.soak [--clients 64] [--seconds 60] [--max-batch-size 8] [--json OUT]
+    python -m bench.soak [--clients 64] [--seconds 60] [--max-batch-size 8] [--busy N] [--json OUT]
 
 Starts `adaspecd` on the default models with a config of its own (a free port, a private admin
 socket), then for --seconds runs --clients client threads, each sending one request after another
@@ -9,7 +9,8 @@ second makes a valid config edit (in place or by rename, each waited for until i
 invalid one (a syntax error, a bad value, an emptied file, a model path that points nowhere, each
 then undone), pins, forces or unpins k, or sends a bad admin line. Every greedy reply is compared
 with target-only output computed in this process before the daemon starts. At the end the
-daemon gets SIGTERM.
+daemon gets SIGTERM. With --busy N, N single-threaded busy processes (bench.contention's) run beside
+the daemon while it is soaked.
 
 Reports requests sent, completed, failed by HTTP status, 503s with Retry-After (backpressure, not
 a failure), hung (no reply within --timeout), mismatched greedy replies, the config generation
@@ -36,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.contention import busy_processes, stop
 from control.ctl import Unreachable, request
 from engine.chat_template import ChatTemplate
 from engine.checkpoint import load_checkpoint
@@ -311,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--busy", type=int, default=0, help="single-threaded busy processes beside the daemon while it is soaked"
+    )
     args = parser.parse_args(argv)
 
     all_cases = cases(ROOT / "models" / "target")
@@ -323,10 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.clients)
     ]
     threads.append(threading.Thread(target=chaos.run, args=(until,)))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(args.seconds + args.timeout + 60)
+    busy = busy_processes(args.busy)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(args.seconds + args.timeout + 60)
+    finally:
+        stop(busy)
     stuck = sum(thread.is_alive() for thread in threads)
     status = request(sock, "status", timeout=10)["result"]
     process.send_signal(signal.SIGTERM)
@@ -337,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = None
     report = {
         "clients": args.clients,
+        "busy_processes": args.busy,
+        "threads": status.get("threads"),
+        "thread_switches": status.get("thread_switches"),
         "seconds": args.seconds,
         "max_batch_size": args.max_batch_size,
         "sent": tally.sent,

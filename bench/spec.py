@@ -15,8 +15,9 @@ Modes: `none` (target only), `static:K` (a fixed k), `adaptive:positional`, `ada
 `adaptive:ema` (the config's [adaptive] parameters with that strategy, and that strategy's default
 candidates where the config has the default; `+NAME=VALUE` overrides one more parameter or initial_k, as in
 `adaptive:measured+exploration=0.01`); `+drafter=KIND`, `+verification=RULE`,
-`+draft_quantization=int8|none`, `+eagle3=PATH` and `+dflash=PATH` (another EAGLE-3 head or DFlash
-drafter, to compare them on the same target) change the engine's settings for that mode. Every mode
+`+draft_quantization=int8|none`, `+threads=N` (the compiled forward pinned to N threads; 0 adapts),
+`+eagle3=PATH` and `+dflash=PATH` (another EAGLE-3 head or DFlash drafter, to compare them on the
+same target) change the engine's settings for that mode. Every mode
 serves the same requests on the same loaded models in this process, side by side: the modes take
 turns a round at a time, and each is timed by its own rounds, so a change in the machine's speed is
 shared by all of them.
@@ -123,7 +124,7 @@ def named_drafter(kind: str, path: Path, target: Transformer) -> Eagle3Model | D
     return NAMED_DRAFTERS[kind](path, target)
 
 
-ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization", *NAMED_DRAFTERS)
+ENGINE_OVERRIDES = ("verification", "drafter", "draft_quantization", "threads", *NAMED_DRAFTERS)
 
 
 def drafters_of(modes: list[str]) -> set[str]:
@@ -138,6 +139,8 @@ def parse_override(text: str) -> tuple[str, object]:
     name, _, value = text.partition("=")
     if name == "verification" and value in CHAIN_RULES:
         return name, value
+    if name == "threads" and value.isdigit():
+        return name, int(value)
     if name == "drafter" and value in DRAFTERS:
         return name, value
     if name == "draft_quantization" and value in DRAFT_QUANTIZATIONS:
@@ -148,7 +151,7 @@ def parse_override(text: str) -> tuple[str, object]:
         raise SystemExit(
             f"{text!r}: expected PARAMETER=VALUE with a policy parameter name, "
             f"verification={'|'.join(CHAIN_RULES)}, drafter={'|'.join(DRAFTERS)} "
-            f"draft_quantization={'|'.join(DRAFT_QUANTIZATIONS)}, eagle3=PATH or dflash=PATH"
+            f"draft_quantization={'|'.join(DRAFT_QUANTIZATIONS)}, threads=N, eagle3=PATH or dflash=PATH"
         )
     if name == "candidate_k":
         try:

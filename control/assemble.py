@@ -7,6 +7,8 @@ from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
+import torch
+
 from control.settings import EngineSettings
 from control.snapshot import ConfigSnapshot
 from engine.checkpoint import Checkpoint, load_checkpoint
@@ -22,6 +24,7 @@ from engine.model.config import DFLASH_KINDS, DRAFT_MODEL_KINDS, EAGLE3_KINDS
 from engine.model.dflash import DFlashModel, load_dflash
 from engine.model.eagle3 import Eagle3Model, load_eagle3
 from engine.native.build import library, pending_build
+from engine.policy.threads import ThreadPolicy, usable_cores
 
 # Wraps each slow phase of assembling an engine, named, so that start-up can report it.
 Phase = Callable[[str], AbstractContextManager[object]]
@@ -148,7 +151,10 @@ def build_controller(
     adaptive = snapshot.adaptive
     if drafter is None:
         plain = replace(adaptive.policy, candidate_k=(0,), slots=())
-        return Controller(engine, plain, adaptive=False, static_k=0, on_switch=on_switch)
+        threads = thread_policy(engine, settings.threads)
+        return Controller(engine, plain, adaptive=False, static_k=0, on_switch=on_switch, threads=threads)
+    if settings.device == "cpu":
+        torch.set_num_threads(settings.threads or usable_cores())  # time the rounds on the count served first
     if len(engine.states) > 1:
         # What each k costs at each batch size, so that a policy need not serve a k to price it.
         sizes = default_batch_sizes(batch)
@@ -162,7 +168,17 @@ def build_controller(
         static_k=adaptive.static_k,
         initial_k=adaptive.initial_k,
         on_switch=on_switch,
+        threads=thread_policy(engine, settings.threads),
     )
+
+
+def thread_policy(engine: Engine, pinned: int) -> ThreadPolicy | None:
+    """On a CPU, the threads each round runs on: `pinned`, or adapted up to every usable core,
+    each k's rounds in the units of their timing before serving; elsewhere the host's threads only
+    launch work, and are left as they are."""
+    if engine.model.device.type != "cpu":
+        return None
+    return ThreadPolicy(usable_cores(), pinned=pinned or None, profile=engine.profile)
 
 
 def build_engine(

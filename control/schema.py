@@ -134,6 +134,8 @@ SCHEMA: Mapping[str, Section] = {
         "max_batch_size": Key("int", 8, "most sequences decoded together", lo=1, hi=256),
         "max_seq_len": Key("int", 2048, "longest sequence (prompt + output) in tokens", lo=16, hi=32768),
         "max_k": Key("int", 32, "largest draft length k any runtime state may have", lo=1, hi=64),
+        "threads": Key("int", 0, "threads of the compiled CPU forward; 0 = adapt between one and every usable"
+                       " core", lo=0, hi=1024),
     }),
     # Each policy key's doc names the strategies that read it. The policy's defaults were chosen on
     # the tuning half of the workload suite (docs/benchmarks.md; config.toml says which).

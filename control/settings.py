@@ -25,6 +25,7 @@ class EngineSettings:
     max_batch_size: int
     max_seq_len: int
     max_k: int
+    threads: int = 0
     dflash: Path | None = None
     eagle3: Path | None = None
 

@@ -88,6 +88,10 @@ class AdminCommands:
             **({} if engine.ema is None else {"ema": round(engine.ema, 4)}),
             "round": engine.round,
             "switches": engine.switches,
+            # the compiled CPU forward's threads (null on accelerators) and how often the count
+            # served changed: fewer than every core while other processes take cores
+            "threads": engine.threads,
+            "thread_switches": engine.thread_switches,
             "generation": snapshot.generation,
             "config_sha256": snapshot.sha256,
             "last_reload": {

@@ -126,6 +126,11 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         loop, status = self.loop, self.loop.status
         yield GaugeMetricFamily("adaspec_k", "Draft length k the next round runs with", value=status.k)
+        if status.threads is not None:
+            yield GaugeMetricFamily("adaspec_threads", "Threads the compiled CPU forward runs on", value=status.threads)
+            yield CounterMetricFamily(
+                "adaspec_thread_switches", "Changes of the thread count served", value=status.thread_switches
+            )
         yield GaugeMetricFamily(
             "adaspec_requests_in_flight",
             "Requests submitted and not finished (running and queued)",

@@ -19,10 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.core import Engine, StepResult
 from engine.policy import Observation, Policy, PolicyParams, RoundProfile, make_policy
+from engine.policy.threads import ThreadPolicy
 
 log = structlog.get_logger("adaspec.engine")
 # The same name in the standard library's tree, whose level follows the daemon's (control/logs.py).
@@ -78,14 +80,15 @@ class Controller:
         static_k: int | None = None,
         initial_k: int | None = None,
         on_switch: SwitchObserver | None = None,
+        threads: ThreadPolicy | None = None,
     ) -> None:
         self.engine = engine
+        # How many threads the compiled CPU forward runs each round on (None: left as it is).
+        self.threads = threads
         self.on_switch = on_switch  # called on the engine thread after every switch (metrics)
         self.params = params
         # What each state's rounds cost where the engine timed them before serving (time_rounds).
-        self.profile: RoundProfile = {
-            (k, b): seconds for k, state in engine.states.items() for b, seconds in state.round_seconds.items()
-        }
+        self.profile: RoundProfile = engine.profile
         self.policy: Policy = make_policy(params, initial_k, self.profile)
         self.mode = "adaptive" if adaptive else "static"
         self.static_k = static_k if static_k is not None else self.policy.k
@@ -199,11 +202,23 @@ class Controller:
         return ConfidenceRule(self.params.draft_confidence) if self.mode_name == "adaptive" else EVERY_DRAFT
 
     def step(self) -> StepResult:
-        """Run one round with the k and the rule decided here."""
+        """Run one round with the k, the rule and the thread count decided here."""
+        threads = self.threads
+        if threads is not None and threads.threads != torch.get_num_threads():
+            torch.set_num_threads(threads.threads)
         started = time.perf_counter()
         result = self.engine.step(self._k, self.rule)
         round_seconds = time.perf_counter() - started - result.prefill_seconds
         verified = [o for o in result.outputs if o.verified]
+        if threads is not None and verified:
+            tried = threads.trying
+            if threads.observe(result.k, result.batch_size, round_seconds):
+                # Every k costs something else on another count: the policy prices them afresh,
+                # from the k it serves (the timed profile, scaled to the live rounds).
+                log.info("threads", threads=threads.threads, round=self.engine.round)
+                self.policy = make_policy(self.params, self.policy.k, self.profile)
+            if tried:
+                verified = []  # a round on a count tried says nothing of what k's cost when served
         if verified:
             decision = self.policy.observe(
                 Observation(

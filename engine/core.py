@@ -215,6 +215,11 @@ class Engine:
             tokens = [[0] * (k + 1)] * batch_size
             self.model(self.model.batch(scratch, slots, tokens), scratch)
 
+    @property
+    def profile(self) -> dict[tuple[int, int], float]:
+        """(k, batch size) -> a round's seconds, where `time_rounds` timed them before serving."""
+        return {(k, b): seconds for k, state in self.states.items() for b, seconds in state.round_seconds.items()}
+
     @torch.inference_mode()
     def time_rounds(
         self, batch_sizes: Iterable[int], rounds: int = 8, context: int = 256

@@ -83,6 +83,8 @@ class EngineStatus:
     tokens: int = 0
     mean_accepted_drafts: float = 0.0
     tokens_per_s: float = 0.0  # smoothed over recent busy time
+    threads: int | None = None  # the compiled CPU forward's threads next round (None: not chosen here)
+    thread_switches: int = 0  # changes of the count served
 
 
 @dataclass
@@ -286,4 +288,6 @@ class EngineLoop:
             tokens=stats.tokens,
             mean_accepted_drafts=stats.mean_accepted_drafts,
             tokens_per_s=stats.tokens_per_s,
+            threads=None if controller.threads is None else controller.threads.threads,
+            thread_switches=0 if controller.threads is None else controller.threads.switches,
         )

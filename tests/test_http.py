@@ -41,6 +41,7 @@ MAX_TOKENS = 12
 LONG = 480  # with the daemon's max_seq_len of 512: a request that is still running moments later
 STATE_METRICS = (
     "adaspec_k",
+    "adaspec_threads",
     "adaspec_requests_in_flight",
     "adaspec_config_generation",
     "adaspec_config_reload_failures_total",

@@ -53,6 +53,8 @@ def serving(backend: Backend) -> AdminCommands:
         tokens=100,
         mean_accepted_drafts=1.5,
         running=0,
+        threads=2,
+        thread_switches=0,
     )
     engine = SimpleNamespace(drafter=SimpleNamespace(name="draft_model"), backend=backend)
     loop: Any = SimpleNamespace(status=engine_status, engine=engine, in_flight=0)
