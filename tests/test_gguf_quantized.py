@@ -33,7 +33,9 @@ pytestmark = pytest.mark.skipif(library() is None, reason="no compiled kernels")
 Q = gguf.GGMLQuantizationType
 # Bytes a weight of each type takes in the kernels' panels: its values, and a float32 scale (and
 # min) per group (Q4_0's -8 * d is its min).
-PANEL_BYTES = {Q.Q8_0: 1 + 4 / 32, Q.Q4_0: 0.5 + 8 / 32, Q.Q4_1: 0.5 + 8 / 32, Q.Q4_K: 0.5 + 8 / 32, Q.Q6_K: 1 + 4 / 16}
+# Bytes a weight in the kernels' panels: its value, and its group's scale (and min) over the group,
+# in float16 where the file stores them so (Q8_0, Q4_0, Q4_1), else float32 (a K-quant's products).
+PANEL_BYTES = {Q.Q8_0: 1 + 2 / 32, Q.Q4_0: 0.5 + 4 / 32, Q.Q4_1: 0.5 + 4 / 32, Q.Q4_K: 0.5 + 8 / 32, Q.Q6_K: 1 + 4 / 16}
 # A Q4_K_M file's mix: v, down and the output head in Q6_K, the rest in Q4_K.
 Q4_K_M = {f"blk.{i}.{part}.weight": Q.Q6_K for i in range(2) for part in ("attn_v", "ffn_down")}
 Q4_K_M["output.weight"] = Q.Q6_K

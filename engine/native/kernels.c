@@ -18,7 +18,7 @@
  */
 #include <math.h>
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -116,17 +116,45 @@ static inline void widen4(const uint8_t *p, vf *out) {
 
 /* A grouped Linear's scales and mins for one panel (size 0: not grouped). */
 typedef struct {
-    int size;
-    const float *scale, *min;
+    int size, half; /* half: scales and mins are float16 */
+    const void *scale, *min;
 } Groups;
 
 static Groups groups_at(const Linear *w, int p) {
-    Groups g = {0, NULL, NULL};
+    Groups g = {0, 0, NULL, NULL};
     if (w->group > 0) {
-        const int64_t at = (int64_t)p * ((w->k + w->group - 1) / w->group) * PANEL;
-        g = (Groups){w->group, w->scale + at, w->min ? w->min + at : NULL};
+        const int64_t at = (int64_t)p * ((w->k + w->group - 1) / w->group) * PANEL * (w->half_scales ? 2 : 4);
+        const char *scale = (const char *)w->scale, *min = (const char *)w->min;
+        g = (Groups){w->group, w->half_scales, scale + at, min ? min + at : NULL};
     }
     return g;
+}
+
+/* Group `group`'s PANEL scales (returned) and mins (`*min`, NULL for none) in float32: in place
+ * where they are stored so, else widened into `wide` ([2][PANEL]) once for the group's rows
+ * (float16 ones widen exactly, by the CPU's conversion instructions where it has them). */
+static inline __attribute__((always_inline)) const float *group_scales(const Groups *g, int64_t group, float *wide,
+                                                                       const float **min) {
+    const int64_t at = group * PANEL;
+    if (!g->half) {
+        *min = g->min ? (const float *)g->min + at : NULL;
+        return (const float *)g->scale + at;
+    }
+    const void *from[2] = {g->scale, g->min};
+    for (int t = 0; t < 2; t++) {
+        if (!from[t]) continue;
+        const uint16_t *h = (const uint16_t *)from[t] + at;
+        float *out = wide + t * PANEL;
+        for (int v = 0; v < PANEL; v += 8) {
+#if defined(__F16C__)
+            _mm256_storeu_ps(out + v, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + v))));
+#else
+            for (int j = 0; j < 8; j++) out[v + j] = (float)((const _Float16 *)h)[v + j];
+#endif
+        }
+    }
+    *min = g->min ? wide + PANEL : NULL;
+    return wide;
 }
 
 /* Row i of w in `format` (rows ldw values apart) as PANEL float32 values, integers not yet scaled. */
@@ -150,12 +178,11 @@ static inline __attribute__((always_inline)) void load_row(int format, const voi
 /* A grouped row's weights, q * scale + min in float32: one place, so that a tile and a widened
  * panel compute the same values (every product q * scale of GGUF's formats and of
  * engine/model/quantize.py's is exact, so fused or not, this is PyTorch's q * scale + min). */
-static inline __attribute__((always_inline)) void dequantize(vf *row, const Groups *g, int64_t group) {
+static inline __attribute__((always_inline)) void dequantize(vf *row, const float *scale, const float *min) {
     for (int v = 0; v < 4; v++) {
-        const vf scale = *(const vf_unaligned *)(g->scale + group * PANEL + 16 * v);
-        vf min = (vf){0};
-        if (g->min) min = *(const vf_unaligned *)(g->min + group * PANEL + 16 * v);
-        row[v] = row[v] * scale + min;
+        vf min_v = (vf){0};
+        if (min) min_v = *(const vf_unaligned *)(min + 16 * v);
+        row[v] = row[v] * *(const vf_unaligned *)(scale + 16 * v) + min_v;
     }
 }
 
@@ -172,10 +199,13 @@ static inline __attribute__((always_inline)) void tile(
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};
     for (int i0 = 0; i0 < k; i0 += span) {
         const int end = k - i0 < span ? k : i0 + span;
+        float wide[2 * PANEL];
+        const float *group_scale = NULL, *group_min = NULL;
+        if (grouped) group_scale = group_scales(g, i0 / span, wide, &group_min);
         for (int i = i0; i < end; i++) {
             vf wv[4];
             load_row(format, w, i, ldw, wv);
-            if (grouped) dequantize(wv, g, i0 / span);
+            if (grouped) dequantize(wv, group_scale, group_min);
 #pragma GCC unroll 8
             for (int m = 0; m < rows; m++) {
                 const float xs = x[m * ldx + i];
@@ -264,10 +294,13 @@ static const void *panel_for(const Linear *w, int p, int rows, float *widened, i
     *format = rows <= 5 * NARROW_TILE_ROWS ? w->format : F32;
     if (w->format == F32 || *format != F32) return panel;
     const Groups g = groups_at(w, p);
+    float wide[2 * PANEL];
+    const float *scale = NULL, *min = NULL;
     for (int64_t i = 0; i < w->k; i++) {
         vf row[4];
         load_row(w->format, panel, i, PANEL, row);
-        if (g.size) dequantize(row, &g, i / g.size);
+        if (g.size && i % g.size == 0) scale = group_scales(&g, i / g.size, wide, &min);
+        if (g.size) dequantize(row, scale, min);
         for (int v = 0; v < 4; v++) *(vf_unaligned *)(widened + i * PANEL + 16 * v) = row[v];
     }
     return widened;
@@ -284,10 +317,13 @@ static void embed_row(const Model *m, int64_t token, float *out) {
         const void *panel = panel_at(w, p);
         const Groups g = groups_at(w, p);
         const float scale = w->scale && !w->group ? w->scale[token] : 1.0f; /* int8 with a scale per output */
+        float wide[2 * PANEL];
+        const float *group_scale = NULL, *group_min = NULL;
         for (int i = 0; i < hidden; i++) {
             vf row[4];
             load_row(w->format, panel, i, PANEL, row);
-            if (g.size) dequantize(row, &g, i / g.size);
+            if (g.size && i % g.size == 0) group_scale = group_scales(&g, i / g.size, wide, &group_min);
+            if (g.size) dequantize(row, group_scale, group_min);
             out[i] = row[column / 16][column % 16] * scale;
         }
     } else if (m->embed_bf16) {

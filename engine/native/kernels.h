@@ -19,18 +19,21 @@ enum { F32, BF16, INT8, UINT4 }; /* how a Linear's panels are stored */
  * panel row's 64 values into 32 bytes: byte j holds column j in its low nibble, j + 32 in its high.
  *
  * Grouped (group > 0; INT8 or UINT4): each output's inputs come in groups of `group` consecutive
- * ones (the last may be shorter), each group with a float32 scale and min, and a weight is
+ * ones (the last may be shorter), each group with a scale and min (float32, or float16 where
+ * every one is exact in it), and a weight is
  * q * scale + min computed in float32 before it multiplies (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
  * are all this after unpacking). Scales and mins are [panels][groups][PANEL]. */
 typedef struct {
     const void *panels; /* in `format`: bfloat16, int8 and uint4 are widened to float32 as they are read */
     const float *bias;  /* [n] or NULL */
     const float *scale; /* INT8 with group 0: [n], each output column's scale (its products are summed,
-                         * then scaled); grouped: each group's scale */
-    const float *min;   /* grouped: each group's min, or NULL (0) */
+                         * then scaled); grouped: each group's scale (float16 where half_scales) */
+    const float *min;   /* grouped: each group's min, or NULL (0) (float16 where half_scales) */
     int32_t n, k;
     int32_t format;
     int32_t group;      /* inputs per group of a grouped layout; 0: not grouped */
+    int32_t half_scales; /* grouped: scale and min are float16 (where every one is exact so: GGUF's Q8_0,
+                          * Q4_0 and Q4_1 store them so), half float32's bytes */
 } Linear;
 
 typedef struct {

@@ -146,6 +146,7 @@ class Weights:
             q.k,
             UINT4 if q.uint4 else FORMATS[torch.int8],
             q.group,
+            q.scales.dtype == torch.float16,
         )
 
 
@@ -153,11 +154,11 @@ class Weights:
 class GroupPanels:
     """A weight in groups (engine/model/quantize.py) as the kernels stream it, made once by
     `pack_groups`: a model served from quantized weights keeps only this (a byte, or half a byte,
-    a weight; its scales and mins a float a group), and anything else that needs the weight
+    a weight; its scales and mins a float16 or float32 a group), and anything else that needs the weight
     dequantizes it from here (`dequantize`)."""
 
     values: Tensor  # int8 [panels, k, PANEL], or uint8 [panels, k, PANEL / 2] holding uint4 two a byte
-    scales: Tensor  # float32 [panels, groups, PANEL]
+    scales: Tensor  # [panels, groups, PANEL]: float16 where every one (and every min) is exact so, else float32
     mins: Tensor | None
     n: int  # output rows the kernels compute (gate/up's padded and interleaved)
     k: int
@@ -176,9 +177,9 @@ class GroupPanels:
         if self.uint4:
             values = torch.cat((values & 15, values >> 4), dim=-1)
         per_value = lambda t: t.repeat_interleave(self.group, dim=1)[:, : self.k]  # noqa: E731
-        weight = values.float() * per_value(self.scales)
+        weight = values.float() * per_value(self.scales.float())
         if self.mins is not None:
-            weight += per_value(self.mins)
+            weight += per_value(self.mins.float())
         rows = weight.transpose(1, 2).reshape(-1, self.k)
         if self.gate_up is None:
             return rows[: self.n]
@@ -199,6 +200,11 @@ def pack_groups(q: GroupQuantized, inter: int | None = None) -> GroupPanels:
         half = PANEL // 2
         packed = (packed[..., :half] | (packed[..., half:] << 4)).contiguous()
     scales, mins = (arrange(t).float().contiguous() if t is not None else None for t in (q.scales, q.mins))
+    # Half the bytes where every scale and min is exact in float16 (GGUF's Q8_0, Q4_0 and Q4_1
+    # store them so; a Q4_K super-block's 6-bit scales times its float16 d often are not).
+    halves = [t.half() for t in (scales, mins) if t is not None]
+    if all(torch.equal(h.float(), t) for h, t in zip(halves, (t for t in (scales, mins) if t is not None))):
+        scales, mins = (t.half() if t is not None else None for t in (scales, mins))
     n = packed.shape[0] * PANEL if inter is not None else q.values.shape[0]
     return GroupPanels(packed, scales, mins, n, q.values.shape[1], q.group, q.uint4, inter)
 
