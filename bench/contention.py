@@ -9,7 +9,9 @@ default priority, as a build or a backup would take) and kills them by pid after
 In every condition each mode serves the same requests alone, at batch 1, one mode after another
 (taking turns a round at a time, as bench.spec does, would leave one mode's idle threads spinning
 through another's rounds); modes and conditions take turns `--repeats` times, each repeat in
-another order, so that a drift of the machine's speed falls on all alike. Modes are bench.spec's
+another order, so that a drift of the machine's speed falls on all alike. Each run is on a new
+engine, but the policy that chooses its thread count carries over from condition to condition
+(idle first) within a repeat, as in a daemon that stays up while other processes come and go. Modes are bench.spec's
 (none, static:K, adaptive:NAME, with +NAME=VALUE overrides), `+threads=N` among them: the compiled
 forward pinned to N threads (engine.threads). The default compares target-only and the config's policy, each with the
 threads adapted (the shipped default) and pinned to every usable core (no adapting).
@@ -33,7 +35,7 @@ from control.assemble import load_models
 from control.issues import ConfigError
 from engine.device.resolve import DeviceError
 from engine.model.config import CheckpointError
-from engine.policy.threads import usable_cores
+from engine.policy.threads import ThreadPolicy, usable_cores
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 
@@ -84,12 +86,20 @@ def main(argv: list[str] | None = None) -> None:
     warm_up(snapshot, models, items, 1, args.max_seq_len)
     reports: dict[int, dict[str, ModeReport]] = {b: {m: ModeReport() for m in modes} for b in busy}
     for repeat in range(args.repeats):
+        threads: dict[str, ThreadPolicy | None] = {}
         for count in busy:
             procs = busy_processes(count)
             try:
                 order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
                 for mode in order if repeat % 2 == 0 else order[::-1]:
+                    # A new engine for each condition, so that no request is served faster for
+                    # having been served before (lookups of finished requests, a warm policy);
+                    # but the thread count's policy is the one that served the previous condition,
+                    # as in a daemon that stays up while other processes come and go.
                     controller = build_controller(mode, snapshot, models, 1, args.max_seq_len)
+                    if mode in threads:
+                        controller.threads = threads[mode]
+                    threads[mode] = controller.threads
                     report = run_mode(controller, items, models.target.tokenizer, 1)
                     reports[count][mode].merge(report)
                     rate = report.tokens / report.seconds
