@@ -6,10 +6,12 @@ beside the engine, each as a share of idle.
 
 The bench starts the busy processes itself (`python -c "while True: pass"`, one core each at the
 default priority, as a build or a backup would take) and kills them by pid after each condition.
-In every condition each mode serves the same requests alone, at batch 1, one mode after another
-(taking turns a round at a time, as bench.spec does, would leave one mode's idle threads spinning
-through another's rounds); modes and conditions take turns `--repeats` times, each repeat in
-another order, so that a drift of the machine's speed falls on all alike. Each run is on a new
+Beside busy processes each mode serves the same requests alone, at batch 1, one mode after another
+(taking turns a round at a time would leave one mode's idle threads spinning through another's
+rounds); idle, where every mode runs on every core, the modes take turns a round at a time, as
+bench.spec runs them, so that idle speeds compare within a percent. Conditions take turns
+`--repeats` times, each repeat in another order, so that a drift of the machine's speed falls on
+all alike. Each run is on a new
 engine, but the policy that chooses its thread count carries over from condition to condition
 (idle first) within a repeat, as in a daemon that stays up while other processes come and go. Modes are bench.spec's
 (none, static:K, adaptive:NAME, with +NAME=VALUE overrides), `+threads=N` among them: the compiled
@@ -27,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.report import ModeReport
-from bench.side_by_side import run_mode
+from bench.side_by_side import ModeRun, run_side_by_side
 from bench.spec import ROOT, bench_snapshot, build_controller, drafters_of, warm_up
 from bench.workload import read_workload
 from control.arguments import at_least
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             procs = busy_processes(count)
             try:
                 order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
+                runs = {}
                 for mode in order if repeat % 2 == 0 else order[::-1]:
                     # A new engine for each condition, so that no request is served faster for
                     # having been served before (lookups of finished requests, a warm policy);
@@ -100,12 +103,17 @@ def main(argv: list[str] | None = None) -> None:
                     if mode in threads:
                         controller.threads = threads[mode]
                     threads[mode] = controller.threads
-                    report = run_mode(controller, items, models.target.tokenizer, 1)
-                    reports[count][mode].merge(report)
-                    rate = report.tokens / report.seconds
-                    print(f"  run {repeat + 1}, {count} busy, {mode}: {rate:.1f} tok/s", file=sys.stderr)
+                    runs[mode] = ModeRun(controller, items, models.target.tokenizer, 1)
+                    if count:  # one after another: see above
+                        run_side_by_side([runs[mode]])
+                if not count:  # idle, every mode on every core: side by side, as bench.spec
+                    run_side_by_side(list(runs.values()))
             finally:
                 stop(procs)
+            for mode, run in runs.items():
+                reports[count][mode].merge(run.report)
+                rate = run.report.tokens / run.report.seconds
+                print(f"  run {repeat + 1}, {count} busy, {mode}: {rate:.1f} tok/s", file=sys.stderr)
     print_shares(reports, modes)
 
 

@@ -32,6 +32,7 @@ MARGIN = 0.1
 # The share of serving time tries of another count may lose, and the bounds on their spacing.
 EXPLORATION = 0.01
 MIN_SPACING = 32
+QUIET_SPACING = 512
 MAX_SPACING = 4096
 # The load: threads that waited for a core this share of a span's time (summed over threads), or
 # this many cores idle through it, call for a try of fewer or more threads.
@@ -166,11 +167,16 @@ class ThreadPolicy:
         self.span = Rounds()  # a try's rounds, or the served rounds since the last look at the load
         self.load, self.clock = (load if load is not None else ProcLoad()), clock
         self.last_look = self._look()
-        # The first try comes as soon as the served rounds say what they cost: a daemon may start
-        # beside a busy neighbour, and a try on idle cores costs a few rounds once.
-        self.due = 0
+        # Where the load is known, it calls a try the moment threads wait for a core or a core
+        # stands idle, and tries it does not call (whether fewer threads are faster on idle cores,
+        # as for a small model at a long context) come at most every QUIET_SPACING rounds;
+        # without it, the first try comes as soon as the served rounds say what they cost.
+        self.least_spacing = QUIET_SPACING if self.last_look is not None else MIN_SPACING
+        self.due = 0 if self.last_look is None else QUIET_SPACING
         self.next_try = 0  # which neighbour of the served count is tried next
         self.direction = 0  # what the load asked for: -1 fewer threads, 1 more, 0 either
+        self.called = 0  # what the load asked for when the current try started
+        self.refused = 0  # 1: an idle core called a try of more threads that lost, and is still idle
 
     @property
     def trying(self) -> bool:
@@ -194,8 +200,14 @@ class ThreadPolicy:
         if self.span.full:
             waited, idle = self._load_since_last_look()
             wanted = -1 if waited > WAITED else 1 if idle > IDLE_CORES else 0
-            if wanted and self._neighbours(wanted):  # (one thread waiting has no fewer to try)
-                self.direction, self.due = wanted, min(self.due, self.rounds)
+            # An idle core that already called a try of more threads which lost calls none while
+            # it stays idle (a small model may be fastest on one thread, and leave a core idle).
+            # Threads waiting for cores call a try every time: a team's lucky rounds may have
+            # won the last one, and fewer threads cost little to try there.
+            if wanted != self.refused:
+                self.refused = 0
+                if wanted and self._neighbours(wanted):
+                    self.direction, self.due = wanted, min(self.due, self.rounds)
             for round_seconds, round_units in self.span.rounds:
                 self.served.add(round_seconds, round_units)
             self.span = self._new_span()
@@ -210,7 +222,7 @@ class ThreadPolicy:
         return {-1: fewer, 1: more, 0: fewer + more}[direction]
 
     def _start_try(self) -> None:
-        options, self.direction = self._neighbours(self.direction), 0
+        options, self.called, self.direction = self._neighbours(self.direction), self.direction, 0
         self.threads = options[self.next_try % len(options)]
         self.next_try += 1
         self.span = self._new_span()
@@ -226,16 +238,17 @@ class ThreadPolicy:
         if tried > self.serving and waited > WAITED:
             # More threads that waited for cores: their few rounds were lucky if fast. Tried
             # again when a core is seen idle, or after the longest spacing.
-            self.due = self.rounds + MAX_SPACING
+            self.due, self.refused = self.rounds + MAX_SPACING, max(self.called, 0)
             return False
         if span.level * (1 + MARGIN) < self.served.level:
             self.serving = self.threads = tried
-            self.switches += 1
+            self.switches, self.refused = self.switches + 1, 0
             self.served = Rounds(SERVED_ROUNDS)
             self.due = self.rounds + MIN_SPACING
             return True
+        self.refused = max(self.called, 0)
         lost = max(0.0, span.seconds / (self.served.level * span.units) - 1) * len(span.rounds)  # in rounds
-        self.due = self.rounds + int(min(MAX_SPACING, max(MIN_SPACING, lost / EXPLORATION)))
+        self.due = self.rounds + int(min(MAX_SPACING, max(self.least_spacing, lost / EXPLORATION)))
         return False
 
     def _look(self) -> tuple[float, float, float] | None:
