@@ -32,6 +32,8 @@ MARGIN = 0.1
 # The share of serving time tries of another count may lose, and the bounds on their spacing.
 EXPLORATION = 0.01
 MIN_SPACING = 32
+# Where the load is known it calls the tries that matter, and the others (is one thread faster on
+# idle cores?) come at most this often: each costs its rounds' bookkeeping beside a few slow rounds.
 QUIET_SPACING = 512
 MAX_SPACING = 4096
 # The load: threads that waited for a core this share of a span's time (summed over threads), or
@@ -144,8 +146,10 @@ class ThreadPolicy:
     whose span ran `MARGIN` faster than the served count's recent rounds (and, with more threads,
     without waiting for cores) is served from the next round. A try comes when, over a span of
     served rounds, the process's threads waited for a core (another process took one: fewer
-    threads), or a core stood idle (more threads), and otherwise as often as keeps what tries lose
-    within `EXPLORATION` of the serving time. A pinned count is never left.
+    threads), or a core stood idle (more threads; not again while it stays idle after such a try
+    lost), and otherwise as often as keeps what tries lose within `EXPLORATION` of the serving
+    time (where the load is known, at most every QUIET_SPACING rounds). A pinned count is never
+    left.
     """
 
     def __init__(
