@@ -153,8 +153,8 @@ def build_controller(
         plain = replace(adaptive.policy, candidate_k=(0,), slots=())
         threads = thread_policy(engine, settings.threads)
         return Controller(engine, plain, adaptive=False, static_k=0, on_switch=on_switch, threads=threads)
-    if settings.device == "cpu":
-        torch.set_num_threads(settings.threads or usable_cores())  # time the rounds on the count served first
+    if engine.model.device.type == "cpu":  # as thread_policy decides: time the rounds on the count served first
+        torch.set_num_threads(settings.threads or usable_cores())
     if len(engine.states) > 1:
         # What each k costs at each batch size, so that a policy need not serve a k to price it.
         sizes = default_batch_sizes(batch)

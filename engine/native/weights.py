@@ -202,8 +202,7 @@ def pack_groups(q: GroupQuantized, inter: int | None = None) -> GroupPanels:
     scales, mins = (arrange(t).float().contiguous() if t is not None else None for t in (q.scales, q.mins))
     # Half the bytes where every scale and min is exact in float16 (GGUF's Q8_0, Q4_0 and Q4_1
     # store them so; a Q4_K super-block's 6-bit scales times its float16 d often are not).
-    halves = [t.half() for t in (scales, mins) if t is not None]
-    if all(torch.equal(h.float(), t) for h, t in zip(halves, (t for t in (scales, mins) if t is not None))):
+    if all(torch.equal(t.half().float(), t) for t in (scales, mins) if t is not None):
         scales, mins = (t.half() if t is not None else None for t in (scales, mins))
     n = packed.shape[0] * PANEL if inter is not None else q.values.shape[0]
     return GroupPanels(packed, scales, mins, n, q.values.shape[1], q.group, q.uint4, inter)

@@ -256,7 +256,7 @@ class ThreadPolicy:
         return False
 
     def _look(self) -> tuple[float, float, float] | None:
-        sample = self.load() if self.load is not None else None
+        sample = self.load()
         return None if sample is None else (self.clock(), *sample)
 
     def _load_since_last_look(self) -> tuple[float, float]:
