@@ -137,7 +137,7 @@ def print_table(reports: dict[str, ModeReport]) -> None:
                 if r.rounds:
                     fastest = statics[best_mode]
                     decoding = fastest.tokens / (fastest.seconds - fastest.prefill_seconds)
-                    best_k = 0 if best_mode == "none" else int(best_mode.split(":")[1])
+                    best_k = 0 if best_mode.startswith("none") else int(best_mode.split("+")[0].split(":")[1])
                     parts = ", ".join(
                         f"{name} {100 * share:+.1f}% ({rounds} rounds)"
                         for name, (share, rounds) in r.losses(decoding, best_k).items()

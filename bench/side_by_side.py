@@ -38,7 +38,7 @@ class ModeRun:
         engine, report = self.controller.engine, self.report
         while self.queue and (
             (self.open_loop and (self.queue[0][1].arrival_s or 0.0) <= self.clock)
-            or (not self.open_loop and self.in_flight < self.concurrency)
+            or (not self.open_loop and self.in_flight < (self.queue[0][1].concurrency or self.concurrency))
         ):
             engine.add_request(self.queue.pop(0)[0])
             self.in_flight += 1

@@ -8,8 +8,10 @@
 
 A workload is JSON Lines, one request per line: "prompt", "max_tokens", and optionally
 "temperature", "top_p", "top_k", "seed", "stop", "phase" (a free label the report breaks results
-down by) and "arrival_s" (open loop: not submitted before that offset). Without arrival times the
-run is closed-loop: --concurrency requests in flight, the next one submitted as one finishes.
+down by), "arrival_s" (open loop: not submitted before that offset) and "concurrency" (closed loop:
+sent once fewer than that many are in flight, so that a workload's load can swing; in-process
+modes only). Without arrival times the run is closed-loop: --concurrency requests in flight (or a
+line's own), the next one submitted as one finishes.
 
 Modes: `none` (target only), `static:K` (a fixed k), `adaptive:positional`, `adaptive:measured`,
 `adaptive:ema` (the config's [adaptive] parameters with that strategy, and that strategy's default
@@ -45,7 +47,7 @@ from pathlib import Path
 from bench.over_http import run_url
 from bench.report import ModeReport, plot, print_table, write_reports
 from bench.side_by_side import run_controllers, run_mode
-from bench.workload import WorkItem, read_workload
+from bench.workload import WorkItem, read_workload, widest
 from control import assemble
 from control.arguments import at_least
 from control.assemble import Models, load_models
@@ -179,7 +181,8 @@ def run_modes(
     repeats: int = 1,
 ) -> dict[str, ModeReport]:
     """Serve `items` with every mode side by side, `repeats` times over, each time on new engines."""
-    factories = {mode: partial(build_controller, mode, snapshot, models, concurrency, max_seq_len) for mode in modes}
+    slots = widest(items, concurrency)
+    factories = {mode: partial(build_controller, mode, snapshot, models, slots, max_seq_len) for mode in modes}
     return run_controllers(factories, items, models.target.tokenizer, concurrency, repeats)
 
 

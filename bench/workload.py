@@ -15,10 +15,12 @@ class WorkItem:
     params: SamplingParams
     phase: str
     arrival_s: float | None
+    # Closed loop: requests in flight while this one waits to be sent (None: the run's concurrency).
+    concurrency: int | None = None
 
 
 WORKLOAD_KEYS = frozenset(
-    {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "phase", "arrival_s"}
+    {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "phase", "arrival_s", "concurrency"}
 )
 
 
@@ -47,9 +49,18 @@ def read_workload(path: Path) -> list[WorkItem]:
                 seed=raw.get("seed"),
                 stop=tuple([raw["stop"]] if isinstance(raw.get("stop"), str) else raw.get("stop") or ()),
             )
-            items.append(WorkItem(str(raw["prompt"]), params, str(raw.get("phase", "all")), raw.get("arrival_s")))
+            concurrency = raw.get("concurrency")
+            if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+                raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+            phase = str(raw.get("phase", "all"))
+            items.append(WorkItem(str(raw["prompt"]), params, phase, raw.get("arrival_s"), concurrency))
         except (KeyError, ValueError, TypeError) as err:
             raise SystemExit(f"{path}:{number}: bad request ({err})") from None
     if not items:
         raise SystemExit(f"{path}: no requests")
     return items
+
+
+def widest(items: list[WorkItem], concurrency: int) -> int:
+    """The most requests a closed loop over `items` holds in flight at once."""
+    return max([concurrency] + [i.concurrency for i in items if i.concurrency is not None])

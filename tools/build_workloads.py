@@ -125,6 +125,42 @@ KINDS = {
 }
 
 
+def interleaved(*parts: tuple[str, Maker, dict]):
+    """Requests of each part in turn, one at a time: every batch holds some of each."""
+
+    def build(rng: random.Random, funcs, requests: int) -> list[dict]:
+        return [
+            {**make(rng, funcs, **sampling), "phase": label}
+            for label, make, sampling in (parts[i % len(parts)] for i in range(requests))
+        ]
+
+    return build
+
+
+def swings(quiet: int = 1, busy: int = 8):
+    """Greedy code, closed loop, its load alternating: a sixth of the requests at concurrency
+    `quiet`, a third at `busy`, twice over (where drafting pays alone, it may lose in a full batch)."""
+
+    def build(rng: random.Random, funcs, requests: int) -> list[dict]:
+        out = []
+        for label, concurrency, share in (("quiet", quiet, 1), ("busy", busy, 2)) * 2:
+            out += [
+                {**code(rng, funcs, **GREEDY), "phase": label, "concurrency": concurrency}
+                for _ in range(requests * share // 6)
+            ]
+        return out
+
+    return build
+
+
+# Traffic one k cannot fit (bench/workloads/moving/): greedy code, sampled prose and lookups in
+# one batch; a load that swings. Written after the suite's kinds, which keep their seeds.
+MOVING = {
+    "interleaved": interleaved(("code", code, GREEDY), ("prose", docstring, SAMPLED), ("repeat", repeat, GREEDY)),
+    "swings": swings(),
+}
+
+
 def with_bursts(items: list[dict], rng: random.Random, every_s: float = 1.5, size: int = 6) -> list[dict]:
     """Open loop: requests arrive `size` at a time every `every_s` seconds, so the batch moves."""
     rng.shuffle(items)
@@ -134,16 +170,21 @@ def with_bursts(items: list[dict], rng: random.Random, every_s: float = 1.5, siz
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/workloads/suite"))
+    parser.add_argument(
+        "--moving-out", type=Path, default=Path("bench/workloads/moving"), help="where the kinds of moving traffic go"
+    )
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
         if value < 1:  # the files would be empty, or requests the benches refuse
             parser.error(f"{flag} must be at least 1, not {value}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    folders = {kind: args.out for kind in [*KINDS, "bursts"]} | dict.fromkeys(MOVING, args.moving_out)
+    for folder in set(folders.values()):
+        folder.mkdir(parents=True, exist_ok=True)
     for half, packages in HALVES.items():
         funcs = functions(package_files(packages))
-        for number, (kind, build) in enumerate({**KINDS, "bursts": KINDS["mixed"]}.items()):
+        for number, (kind, build) in enumerate({**KINDS, "bursts": KINDS["mixed"], **MOVING}.items()):
             rng = random.Random(f"{half}/{kind}")
             items = build(rng, funcs, args.requests)
             if kind == "bursts":
@@ -152,7 +193,7 @@ def main() -> None:
                 json.dumps({**item, "max_tokens": args.max_tokens, "seed": 1000 * number + i}, ensure_ascii=False)
                 for i, item in enumerate(items)
             ]
-            (args.out / f"{kind}.{half}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            (folders[kind] / f"{kind}.{half}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
             print(f"{kind}.{half}.jsonl: {len(lines)} requests from {len(funcs)} functions of {', '.join(packages)}")
 
 
