@@ -167,6 +167,8 @@ SCHEMA: Mapping[str, Section] = {
         "draft_confidence": Key("float", 0.1, "every strategy, with the dflash and eagle3 drafters: verify a"
                                 " draft only while the drafter is at least this sure: dflash of the drafts so"
                                 " far (their product), eagle3 of each greedy draft; 0 = all k", lo=0, hi=1),
+        "per_sequence": Key("bool", False, "positional: each running sequence drafts a k of its own, by how often"
+                            " its own drafts are kept at each position; false = one k for the whole batch"),
         "slots": Key("slots", (), "every strategy: candidate lists by batch size ([[adaptive.slots]])"),
     }),
     "admin": Section(AdminSettings, live=False, doc="the admin socket", keys={

@@ -92,6 +92,8 @@ class AdminCommands:
             # served changed: fewer than every core while other processes take cores
             "threads": engine.threads,
             "thread_switches": engine.thread_switches,
+            # how many sequences' rounds drafted each k (with per_sequence, the rows of a round differ)
+            "sequence_rounds": {str(k): n for k, n in engine.sequence_rounds.items()},
             "generation": snapshot.generation,
             "config_sha256": snapshot.sha256,
             "last_reload": {

@@ -55,6 +55,12 @@ class Metrics:
         )
         self.tokens = Counter("adaspec_generated_tokens", "Tokens generated", registry=registry)
         self.rounds = Counter("adaspec_rounds", "Speculative rounds run, by draft length k", ["k"], registry=registry)
+        self.sequence_rounds = Counter(
+            "adaspec_sequence_rounds",
+            "Sequences' rounds, by the draft length each drafted (with per_sequence, rows of a round differ)",
+            ["k"],
+            registry=registry,
+        )
         self.accepted = Histogram(
             "adaspec_accepted_drafts",
             "Drafts accepted per sequence per round",
@@ -101,13 +107,18 @@ class Metrics:
         # 1..p proposed and 1..a accepted. Summed per position first: one increment each.
         proposed = [0] * (result.k + 1)
         accepted = [0] * (result.k + 1)
+        lengths = [0] * (result.k + 1)
         for out in result.outputs:
             if not out.verified:
                 continue
+            lengths[min(out.drafts_proposed, result.k)] += 1
             self.accepted.observe(out.drafts_accepted)
             for position in range(1, out.drafts_proposed + 1):
                 proposed[position] += 1
                 accepted[position] += position <= out.drafts_accepted
+        for k, rows in enumerate(lengths):
+            if rows:
+                self.sequence_rounds.labels(str(k)).inc(rows)
         for position in range(1, result.k + 1):
             if proposed[position]:
                 self.proposed_at.labels(str(position)).inc(proposed[position])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,6 +96,7 @@ class Controller:
         self.pinned: int | None = None
         self.forced: int | None = None  # k for the next round only
         self.switches = 0
+        self.row_rounds: Counter[int] = Counter()  # draft length -> rows that drafted it, over all rounds
         self._k = self._wanted_k()
         self._reason = "start"
         self._require_state(self._k)
@@ -206,10 +208,19 @@ class Controller:
         threads = self.threads
         if threads is not None and threads.threads != torch.get_num_threads():
             torch.set_num_threads(threads.threads)
+        k, row_ks = self._k, None
+        if self.mode_name == "adaptive":
+            row_ks = self.policy.row_ks([seq.request.id for seq in self.engine.running])
+            if row_ks:
+                # The state verifies chains up to its k: the least built one that holds every row's.
+                longest = max(row_ks.values())
+                k = min((s for s in self.engine.states if s >= longest), default=k)
         started = time.perf_counter()
-        result = self.engine.step(self._k, self.rule)
+        result = self.engine.step(k, self.rule, row_ks)
         round_seconds = time.perf_counter() - started - result.prefill_seconds
         verified = [o for o in result.outputs if o.verified]
+        for out in verified:
+            self.row_rounds[out.drafts_proposed] += 1
         if threads is not None and verified:
             tried = threads.trying
             if threads.observe(result.k, result.batch_size, round_seconds):
@@ -228,6 +239,7 @@ class Controller:
                     draft_seconds=result.draft_seconds,
                     verify_seconds=result.verify_seconds,
                     round_seconds=round_seconds,
+                    ids=tuple(o.request_id for o in verified),
                 )
             )
         else:

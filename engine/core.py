@@ -20,7 +20,7 @@ import copy
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -323,8 +323,10 @@ class Engine:
     # ---- the round -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, k: int, rule: ConfidenceRule = EVERY_DRAFT) -> StepResult:
-        """One boundary (cancel, admit), then one round at draft length `k`, whose drafts `rule` cuts."""
+    def step(self, k: int, rule: ConfidenceRule = EVERY_DRAFT, row_ks: Mapping[str, int] | None = None) -> StepResult:
+        """One boundary (cancel, admit), then one round with the state of draft length `k`, whose
+        drafts `rule` cuts. `row_ks` gives a request its own draft length (at most k; one left out,
+        as every request joining at this boundary, drafts k): one verify holds chains of them all."""
         state = self.state(k)
         outputs: dict[str, SequenceOutput] = {}
         self._apply_cancellations(outputs)
@@ -334,10 +336,11 @@ class Engine:
         seqs = [s for s in self.running if s.finish_reason is None]
         if seqs:
             started = time.perf_counter()
-            # Plan: never draft past max_tokens (the target's own token always follows the drafts).
-            ks = [max(0, min(k, seq.remaining - 1)) for seq in seqs]
+            # Plan: each row's k, never past max_tokens (the target's own token always follows the drafts).
+            planned = [k if row_ks is None else min(k, row_ks.get(seq.request.id, k)) for seq in seqs]
+            ks = [max(0, min(planned_k, seq.remaining - 1)) for planned_k, seq in zip(planned, seqs)]
             # Propose: a chain drafter stops where the rule would cut it; a block is cut here.
-            if k > 0 and self.drafter is not None:
+            if max(ks, default=0) > 0 and self.drafter is not None:
                 proposals = self.drafter.propose(seqs, ks, rule)
             else:
                 proposals = [Proposal([]) for _ in seqs]

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -85,6 +85,8 @@ class EngineStatus:
     tokens_per_s: float = 0.0  # smoothed over recent busy time
     threads: int | None = None  # the compiled CPU forward's threads next round (None: not chosen here)
     thread_switches: int = 0  # changes of the count served
+    # draft length -> sequences' rounds at it (rows of one round differ with adaptive.per_sequence)
+    sequence_rounds: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -290,4 +292,5 @@ class EngineLoop:
             tokens_per_s=stats.tokens_per_s,
             threads=None if controller.threads is None else controller.threads.threads,
             thread_switches=0 if controller.threads is None else controller.threads.switches,
+            sequence_rounds=dict(sorted(controller.row_rounds.items())),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 from dataclasses import replace
 
 import pytest
@@ -287,3 +288,50 @@ def test_the_ngram_drafter_is_timed_at_every_k_s_full_width_and_then_drafts_as_b
     requests = [Request(tuple(p), params) for p in PROMPTS[:2]]
     outputs = engine.run_until_done(requests, 5)
     assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS[:2], params)]
+
+
+def test_each_row_drafts_the_k_the_policy_plans_for_it_losslessly_and_a_pin_sets_one_k_for_all(pair):
+    target, _ = pair
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    policy = replace(FAST, strategy="positional", candidate_k=(0, 1, 2, 3, 5, 7), per_sequence=True)
+    controller = make(pair, policy, steps=(0, 1, 2, 3, 5, 7))
+    chooser, plans = random.Random(2), {}
+
+    def plan(ids):  # what the policy would plan, drawn at random: rows of 0 to 4 drafts
+        plans.update({i: chooser.randint(0, 4) for i in ids})
+        return {i: plans[i] for i in ids}
+
+    controller.policy.row_ks = plan
+    requests = [Request(tuple(p), params) for p in PROMPTS]
+    rounds = []
+    controller.engine.step = spy(controller.engine.step, rounds)
+    outputs = serve(controller, requests)
+    assert [outputs[r.id] for r in requests] == expected
+    for k, row_ks, result in rounds:
+        if row_ks:
+            # The round runs the least state that holds every row's k (4 is not built: 5)
+            assert k == min(s for s in (0, 1, 2, 3, 5, 7) if s >= max(row_ks.values()))
+            for out in result.outputs:
+                if out.verified:
+                    assert out.drafts_proposed <= row_ks.get(out.request_id, k)
+    assert any(len({o.drafts_proposed for o in r.outputs if o.verified}) > 2 for _, _, r in rounds)
+    assert set(controller.row_rounds) >= {0, 1, 2, 3, 4}
+    # Pinned, every row drafts the pinned k (or what its max_tokens leaves it).
+    controller.apply(Pin(3))
+    more = [Request(tuple(p), params) for p in PROMPTS]
+    rounds.clear()
+    outputs = serve(controller, more)
+    assert [outputs[r.id] for r in more] == expected
+    assert all(k == 3 and row_ks is None for k, row_ks, _ in rounds)
+
+
+def spy(step, rounds: list):
+    """engine.step, recording each round's k, row plan and result."""
+
+    def recorded(k, rule, row_ks=None):
+        result = step(k, rule, row_ks)
+        rounds.append((k, row_ks, result))
+        return result
+
+    return recorded

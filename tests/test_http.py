@@ -338,6 +338,7 @@ def test_metrics_parse_and_move_with_requests(url, client):
     assert moved("adaspec_generated_tokens_total") == response.usage.completion_tokens
     assert moved("adaspec_rounds_total") == response.to_dict()["adaspec"]["rounds"]
     assert moved("adaspec_accepted_drafts_count") == response.to_dict()["adaspec"]["rounds"]
+    assert moved("adaspec_sequence_rounds_total") == response.to_dict()["adaspec"]["rounds"]  # one sequence
     assert set(STATE_METRICS) <= {name for name, _ in after}
     assert total(after, "adaspec_k") in {1, 3, 7}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 from control.schema import policy_params
@@ -196,3 +197,63 @@ def test_a_shorter_k_far_behind_is_measured_on_a_round_now_and_then_not_on_a_ful
     windows = 3000 / policy_module.FRESH_ROUNDS
     assert windows <= tries[0.1] + 1 <= 2 * windows + 1  # about one round a window of current rounds
     assert tries[1.0] > 3 * tries[0.1]
+
+
+def mixed_rows(acceptances: dict[str, float]) -> Callable:
+    """Rows that keep each draft with chances of their own; the round costs a verify of every
+    row's chain and draft steps to the longest (as the drafter runs them batched)."""
+
+    def serve(row_ks: dict[str, int], rng: random.Random) -> Observation:
+        ids = tuple(acceptances)
+        ks = [row_ks[i] for i in ids]
+        accepted = []
+        for request, k in zip(ids, ks):
+            kept = 0
+            while kept < k and rng.random() < acceptances[request]:
+                kept += 1
+            accepted.append(kept)
+        seconds = (0.002 + 0.0002 * sum(k + 1 for k in ks) + 0.0004 * max(ks)) * rng.uniform(0.97, 1.03)
+        return Observation(max(ks), tuple(accepted), tuple(ks), round_seconds=seconds, ids=ids)
+
+    return serve
+
+
+def serve_rounds(policy: PositionalPolicy, serve: Callable, ids: list[str], rounds: int) -> list[Observation]:
+    rng, served = random.Random(3), []
+    for _ in range(rounds):
+        planned = policy.row_ks(ids) or {}
+        served.append(serve({i: planned.get(i, policy.k) for i in ids}, rng))
+        policy.observe(served[-1])
+    return served
+
+
+def settled_plan(policy: PositionalPolicy, serve: Callable, ids: list[str]) -> dict[str, int] | None:
+    """The plan once no try of another k is due next round (a try runs one k for all)."""
+    while policy.k != policy.serving:
+        serve_rounds(policy, serve, ids, 1)
+    return policy.row_ks(ids)
+
+
+def test_per_sequence_each_row_drafts_as_its_own_acceptance_says_and_beats_every_single_k():
+    acceptances = {"code": 0.9, "quote": 0.9, "prose": 0.05, "noise": 0.05}
+    serve, ids = mixed_rows(acceptances), list(acceptances)
+    rng = random.Random(1)
+    uniform = {k: rate([serve(dict.fromkeys(ids, k), rng) for _ in range(2000)]) for k in LADDER.candidate_k}
+    policy = PositionalPolicy(replace(LADDER, per_sequence=True))
+    served = serve_rounds(policy, serve, ids, 800)
+    assert rate(served[-400:]) >= 1.08 * max(uniform.values())
+    plan = settled_plan(policy, serve, ids)
+    assert plan is not None and min(plan["code"], plan["quote"]) >= 3 and max(plan["prose"], plan["noise"]) <= 1
+    # One k for all without per_sequence, and for a sequence alone.
+    assert PositionalPolicy(LADDER).row_ks(ids) is None
+    assert policy.row_ks(["code"]) is None
+
+
+def test_per_sequence_forgets_a_sequence_that_left_and_starts_a_new_one_from_the_batch():
+    acceptances = {"a": 0.9, "b": 0.9}
+    policy = PositionalPolicy(replace(LADDER, per_sequence=True))
+    serve_rounds(policy, mixed_rows(acceptances), list(acceptances), 300)
+    settled_plan(policy, mixed_rows(acceptances), list(acceptances))
+    plan = policy.row_ks(["a", "new"])
+    assert plan is not None and "b" not in policy.rows
+    assert abs(plan["new"] - plan["a"]) <= 1  # the batch's counts are a new sequence's prior

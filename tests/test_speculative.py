@@ -292,6 +292,61 @@ def test_sampling_under_speculation_keeps_the_target_distribution(tiny_vocab_pai
     assert_follows_marginals(outputs, requests, marginals)
 
 
+def run_with_random_row_ks(engine: Engine, requests: list[Request], seed: int) -> tuple[dict[str, list[int]], set]:
+    """Serve `requests`, each round at a random state k and a random k of each row up to it."""
+    for request in requests:
+        engine.add_request(request)
+    outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+    chooser, widths = random.Random(seed), set()
+    states = sorted(engine.states)
+    while engine.has_work:
+        k = chooser.choice(states)
+        row_ks = {s.request.id: chooser.randint(0, k) for s in engine.running}
+        result = engine.step(k, row_ks=row_ks)
+        widths.add(tuple(sorted(o.drafts_proposed for o in result.outputs if o.verified)))
+        for out in result.outputs:
+            outputs[out.request_id].extend(out.new_tokens)
+    return outputs, widths
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "hybrid"])
+@pytest.mark.parametrize("batch_size", [1, 4, 8])
+def test_greedy_stays_lossless_when_every_row_drafts_its_own_k(pair, kind, batch_size):
+    """A round whose rows each take their own k (random per row, per round) emits what
+    target-only decoding does, token for token."""
+    target, draft = pair
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(batch_size)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = reference(target, prompts, params)
+    engine = Engine(target, make_drafter(kind, draft, batch_size), batch_size, MAX_SEQ_LEN, STEPS)
+    requests = [Request(tuple(p), params) for p in prompts]
+    outputs, widths = run_with_random_row_ks(engine, requests, seed=batch_size)
+    assert [outputs[r.id] for r in requests] == expected
+    if batch_size > 1:
+        assert any(len(set(w)) > 1 for w in widths)  # rows of one verify really drafted different k
+    assert sum(s.stats.drafts_accepted for s in engine.states.values()) > 0
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_sampling_keeps_the_target_distribution_when_every_row_drafts_its_own_k(tiny_vocab_pair, kind):
+    """Chi-square of the sampled tokens against the target's exact marginals, the rows of each
+    round drafting random k of their own."""
+    target, draft = tiny_vocab_pair
+    prompt = tuple(range(8)) * 2
+    base = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, ignore_eos=True)
+    with torch.inference_mode():
+        marginals = exact_marginals(target, prompt, base, 3)
+    engine = Engine(target, make_drafter(kind, draft, 16), 16, 32, [0, 1, 2, 3])
+    requests = [
+        Request(prompt, SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
+        for s in range(1500)
+    ]
+    outputs, widths = run_with_random_row_ks(engine, requests, seed=11)
+    assert any(len(set(w)) > 2 for w in widths)
+    assert sum(s.stats.drafts_accepted for s in engine.states.values()) > 0
+    assert_follows_marginals(outputs, requests, marginals)
+
+
 def test_state_for_a_new_k_is_built_between_rounds_and_selected_at_a_boundary(pair):
     target, draft = pair
     engine = Engine(target, DraftModelDrafter(draft, 2, MAX_SEQ_LEN), 2, MAX_SEQ_LEN, [1, 3])

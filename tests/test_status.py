@@ -55,6 +55,7 @@ def serving(backend: Backend) -> AdminCommands:
         running=0,
         threads=2,
         thread_switches=0,
+        sequence_rounds={0: 4, 3: 16},
     )
     engine = SimpleNamespace(drafter=SimpleNamespace(name="draft_model"), backend=backend)
     loop: Any = SimpleNamespace(status=engine_status, engine=engine, in_flight=0)
@@ -92,3 +93,8 @@ async def test_runtime_state_memory_is_shown_where_the_backend_measures_it() -> 
     assert backend.measures_memory
     status = await serving(backend)("status", {}, PEER)
     assert [s["memory_bytes"] for s in status["runtime_states"]] == [0, 4096]  # a measured 0 stays 0
+
+
+async def test_status_shows_how_many_sequences_rounds_drafted_each_k() -> None:
+    status = await serving(CpuBackend(torch.device("cpu")))("status", {}, PEER)
+    assert status["sequence_rounds"] == {"0": 4, "3": 16}  # JSON keys: the draft lengths as text

@@ -25,6 +25,7 @@ class Observation:
     verify_seconds: float = 0.0
     # The whole round's wall time, emitting included (not admitting new requests); 0 when unknown.
     round_seconds: float = 0.0
+    ids: tuple[str, ...] = ()  # each row's request id, where a policy keeps counts per sequence
 
     @property
     def batch_size(self) -> int:
@@ -65,6 +66,10 @@ class Policy(Protocol):
         ...
 
     def observe(self, observation: Observation) -> Decision | None: ...
+
+    def row_ks(self, ids: Seq[str]) -> Mapping[str, int] | None:
+        """Each running sequence's own k for the next round, or None: every one drafts `k`."""
+        ...
 
     def set_k(self, k: int) -> None: ...
 

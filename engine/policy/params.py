@@ -45,6 +45,8 @@ class PolicyParams:
     # How sure the drafter must be of a draft for it to be verified (0: all k): a DFlash block's
     # running product of its positions' probabilities, an EAGLE-3 greedy chain's each draft.
     draft_confidence: float
+    # positional: each running sequence drafts its own k, by its own acceptance at each position.
+    per_sequence: bool
 
     def __post_init__(self) -> None:
         problems = self.problems()

@@ -28,6 +28,10 @@ SHORTER_SAMPLES = 8
 # enough, as a round's seconds vary by less (6 to 9% median absolute deviation) and more of them
 # would not make it win.
 FAR_BEHIND = 0.1
+# per_sequence: a sequence's own counts at a draft position weigh against the batch's ratio there
+# as this many of its own rounds: a new sequence drafts as the batch does, after a few rounds as
+# its own drafts say.
+ROW_PRIOR = 4.0
 
 
 class PositionalPolicy(Schedule):
@@ -91,6 +95,10 @@ class PositionalPolicy(Schedule):
         self.timed_sizes = sorted({b for _, b in self.profile})
         self.timed_size_for: dict[int, int] = {}  # batch size -> the timed batch size it is priced at
         self.after_zero = False  # whether the next round is the first at k > 0 after k = 0
+        # per_sequence: request id -> (reached, kept) at each position, as the batch's above
+        self.rows: dict[str, tuple[list[float], list[float]]] = {}
+        self.plan: dict[str, int] | None = None
+        self.planned = ((), -1)  # the ids the plan was made for, and the round it was made at
 
     def keep_chances(self) -> list[float]:
         """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
@@ -170,17 +178,24 @@ class PositionalPolicy(Schedule):
             self.reached = [n / self.weight for n in self.reached]
             self.kept = [n / self.weight for n in self.kept]
             self.weight = 1.0
-        w, reached, kept_at, top = self.weight, self.reached, self.kept, len(self.reached) - 1
         for kept, proposed in zip(observation.accepted, observation.proposed):
-            # A pinned k may run beyond the candidates: positions past them are not counted.
-            for j in range(1, min(kept, top) + 1):
-                reached[j] += w
-                kept_at[j] += w
-            if kept < min(proposed, top):
-                reached[kept + 1] += w
+            count(self.reached, self.kept, kept, proposed, self.weight)
+        if self.params.per_sequence:
+            size = len(self.reached)
+            for request, kept, proposed in zip(observation.ids, observation.accepted, observation.proposed):
+                count(*self.rows.setdefault(request, ([0.0] * size, [0.0] * size)), kept, proposed, 1.0)
         b = observation.batch_size
         served = self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
         first, self.after_zero = self.after_zero, False
+        if not first and observation.seconds > 0 and self.params.per_sequence:
+            if any(proposed != observation.k for proposed in observation.proposed):
+                # Rows of their own k: the round prices no single k, only how dear rounds are now.
+                mean = sum(observation.proposed) / b
+                profiled = interpolate({k: s for k in self.candidates if (s := self.profiled(k, b))}, mean)
+                if profiled is not None:
+                    self.levels.setdefault(b, deque(maxlen=WINDOW_ROUNDS)).append(observation.seconds / profiled)
+                    self.level_medians.pop(b, None)
+                return
         if not first and observation.seconds > 0:
             # A drafter left behind at k = 0 catches up in its first round after: not k's cost.
             key = (observation.k, b)
@@ -274,6 +289,51 @@ class PositionalPolicy(Schedule):
         spacing = min(MAX_SPACING * self.params.probe_interval, max(self.params.probe_interval, spacing))
         self.due[(tried, b)] = self.rounds + int(spacing)
 
+    def row_ks(self, ids: Seq[str]) -> dict[str, int] | None:
+        """per_sequence: each sequence's k while the policy serves (a try runs one k for all),
+        planned anew as the batch changes and every `update_interval` rounds. A sequence alone
+        drafts the batch's k: its own counts would only forget the traffic before it."""
+        if not self.params.per_sequence or len(ids) < 2 or self._k != self.serving:
+            return None
+        key = tuple(ids)
+        if self.planned[0] != key or self.rounds - self.planned[1] >= self.params.update_interval:
+            for gone in self.rows.keys() - set(ids):
+                del self.rows[gone]
+            self.plan, self.planned = self._plan(key), (key, self.rounds)
+        return self.plan
+
+    def _plan(self, ids: tuple[str, ...]) -> dict[str, int] | None:
+        """Give each further draft position to the sequence most likely to keep it, as many as
+        serve the most tokens a second. A round costs what a round at the sequences' mean k
+        costs (the verify's width grows with the drafts in all), between the known k's."""
+        b = len(ids)
+        prices = {k: seconds for k in self.candidates if (seconds := self.median_seconds(k, b))}
+        if len(prices) < 2:
+            return None
+        chances = self.keep_chances()
+        ratios = [1.0] + [chances[j] / chances[j - 1] if chances[j - 1] else 0.0 for j in range(1, len(chances))]
+        top = max(prices)
+        gains = []  # (chance of keeping it, -position, row): a row's chances fall with the position
+        for row, request in enumerate(ids):
+            reached, kept = self.rows.get(request, (None, None))
+            survive = 1.0
+            for j in range(1, top + 1):
+                own_kept, own_reached = (kept[j], reached[j]) if reached is not None else (0.0, 0.0)
+                survive *= (own_kept + ROW_PRIOR * ratios[j]) / (own_reached + ROW_PRIOR)
+                gains.append((survive, -j, row))
+        gains.sort(reverse=True)
+        best, best_rate, tokens = 0, 0.0, float(b)
+        for m in range(len(gains) + 1):
+            if m:
+                tokens += gains[m - 1][0]
+            seconds = interpolate(prices, m / b)
+            if seconds and tokens / seconds > best_rate:
+                best, best_rate = m, tokens / seconds
+        ks = [0] * b
+        for _, _, row in gains[:best]:
+            ks[row] += 1
+        return dict(zip(ids, ks))
+
     def move(self, k: int, reason: str) -> Decision:
         self.after_zero = self._k == 0 and k > 0
         return super().move(k, reason)
@@ -289,3 +349,25 @@ class PositionalPolicy(Schedule):
         self.reached = (self.reached + [0.0] * size)[:size]
         self.kept = (self.kept + [0.0] * size)[:size]
         self.serving, self.trying = self._k, 0
+        self.rows, self.plan, self.planned = {}, None, ((), -1)  # the positions may differ now
+
+
+def count(reached: list[float], kept_at: list[float], kept: int, proposed: int, weight: float) -> None:
+    """Count one chain: the positions it reached, and whether it kept each."""
+    top = len(reached) - 1  # a pinned k may run beyond the candidates: positions past them are not counted
+    for j in range(1, min(kept, top) + 1):
+        reached[j] += weight
+        kept_at[j] += weight
+    if kept < min(proposed, top):
+        reached[kept + 1] += weight
+
+
+def interpolate(values: dict[int, float], x: float) -> float | None:
+    """values, known at some k's, at x between them (straight lines); None outside them."""
+    ks = sorted(values)
+    if not ks or not ks[0] <= x <= ks[-1]:
+        return None
+    for low, high in zip(ks, ks[1:]):
+        if x <= high:
+            return values[low] + (values[high] - values[low]) * (x - low) / (high - low)
+    return values[ks[-1]]

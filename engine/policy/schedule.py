@@ -3,6 +3,7 @@ probing from k = 0, snapping to the candidates, and parameter swaps."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from engine.policy.contracts import Decision, Observation, RoundProfile, snap
@@ -91,6 +92,10 @@ class Schedule:
         if after_warmup < first or after_warmup % self.params.update_interval:
             return None
         return self.decide(observation)
+
+    def row_ks(self, ids: Seq[str]) -> Mapping[str, int] | None:
+        """One k for the whole batch, unless a strategy plans each sequence's own."""
+        return None
 
     def set_k(self, k: int) -> None:
         self._k = snap(k, self.candidates)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 from engine.policy.contracts import Decision, Observation, Policy, RoundProfile
@@ -62,6 +64,9 @@ class SlottedPolicy:
         if decision is None and moved:
             return Decision(self.k, "slot")
         return decision
+
+    def row_ks(self, ids: Seq[str]) -> Mapping[str, int] | None:
+        return self.slots[self.active].row_ks(ids)
 
     def set_k(self, k: int) -> None:
         self.slots[self.active].set_k(k)
