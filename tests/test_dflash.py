@@ -235,9 +235,9 @@ def test_the_floor_applies_while_the_policy_adapts_never_to_a_pinned_k(pair):
     floors = []  # the floor each round ran with: the rule the controller passed the engine
     step = controller.engine.step
 
-    def recording(k, rule=EVERY_DRAFT):
+    def recording(k, rule=EVERY_DRAFT, row_ks=None):
         floors.append(rule.floor)
-        return step(k, rule)
+        return step(k, rule, row_ks)
 
     controller.engine.step = recording
     controller.apply(Pin(5))
