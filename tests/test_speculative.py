@@ -14,7 +14,7 @@ from torch import nn
 from engine.checkpoint import load_checkpoint
 from engine.core import Engine
 from engine.drafters.draft_model import DraftModelDrafter, HybridDrafter, Int8Linear
-from engine.drafters.ngram import LookupHistory, NgramDrafter
+from engine.drafters.ngram import LookupHistory, NgramDrafter, matched, ngram_hash, window_hashes
 from engine.generate import generate
 from engine.model.transformer import ForwardBatch
 from engine.request import Request, Sequence
@@ -542,6 +542,33 @@ def test_a_lookup_that_runs_into_the_end_of_the_context_repeats_with_its_period(
     drafter.admit([seq])
     # [1, 2] last occurred two tokens back: what followed it is the context's end, then itself.
     assert drafter.propose([seq], [5])[0].tokens == [1, 2, 1, 2, 1]
+
+
+def test_lookup_history_finds_what_a_scan_of_the_texts_it_holds_finds():
+    """Newest text first, the longest indexed n-gram ending the context that occurs with a token
+    after it (its latest occurrence there): what the hashed index must agree with."""
+    rng = random.Random(4)
+    history = LookupHistory(capacity=300)
+    for _ in range(12):
+        history.add([rng.randrange(4) for _ in range(rng.randint(30, 80))])
+        for _ in range(40):
+            context = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
+            expected: tuple[list[int], int] = ([], 0)
+            for n in (n for n in history.spans if n <= len(context)):
+                hits = [
+                    (text, start)
+                    for text in reversed(list(history.texts.values()))
+                    for start in range(len(text) - n - 1, -1, -1)
+                    if list(text[start : start + n]) == context[-n:]
+                ]
+                if hits:
+                    text, start = hits[0]
+                    expected = (list(text[start + n : start + n + 3]), matched(context, text, start + n))
+                    break
+            assert history.continuation(context, 3) == expected
+    text = [rng.randrange(49152) for _ in range(70)]  # every window's hash, taken at once, as one n-gram's
+    windows = window_hashes(text, history.spans)
+    assert all(int(windows[n][s]) == ngram_hash(text[s : s + n]) for n in history.spans for s in range(71 - n))
 
 
 def test_lookup_history_finds_the_longest_indexed_match_and_forgets_the_oldest_text():
