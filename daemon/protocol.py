@@ -6,7 +6,8 @@ have a value meaning "nothing" (n = 1, penalties of 0, no tools, ...) are accept
 or null. Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for completions and the
 rest of the context for chat completions. Two non-standard fields are accepted, as vLLM does:
 "top_k" and "ignore_eos" (keep generating past the end-of-sequence token: fixed-length outputs
-for benchmarks).
+for benchmarks). SGLang's fields that sglang-router adds to what it forwards are no-ops at the
+values it sends.
 
 Every response, and the last chunk of a stream before `data: [DONE]`, carries the request's
 speculation statistics in the non-standard field "adaspec".
@@ -60,8 +61,20 @@ _NO_OP: Mapping[str, tuple[Any, ...]] = {
     "metadata": ({},),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
+    # What sglang-router (SGLang's gateway) adds to every request it forwards, at values that ask
+    # nothing this server does not do: stop strings trimmed, special tokens left out of the text,
+    # no hidden states returned, no reasoning parser to separate or stream with.
+    "no_stop_trim": (False,),
+    "skip_special_tokens": (True,),
+    "return_hidden_states": (False,),
+    "continue_final_message": (False,),
+    "separate_reasoning": (True, False),
+    "stream_reasoning": (True, False),
 }
-_SHARED_NO_OP = frozenset({"n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"})
+_SHARED_NO_OP = frozenset(
+    {"n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+    | {"no_stop_trim", "skip_special_tokens", "return_hidden_states"}
+)
 _COMPLETION_NO_OP = _SHARED_NO_OP | {"best_of", "echo", "suffix"}
 _CHAT_NO_OP = _SHARED_NO_OP | {
     "top_logprobs",
@@ -75,6 +88,9 @@ _CHAT_NO_OP = _SHARED_NO_OP | {
     "metadata",
     "service_tier",
     "modalities",
+    "continue_final_message",
+    "separate_reasoning",
+    "stream_reasoning",
 }
 # Message fields a client sends back with an assistant's reply (the OpenAI client's
 # `message.model_dump()`): accepted while they hold nothing.

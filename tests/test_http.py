@@ -197,6 +197,7 @@ def test_sixteen_concurrent_streaming_clients_all_complete(daemon, client):
         ("/v1/chat/completions", {"messages": [CALLING]}, 400, "unsupported_value", "messages[0].tool_calls"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, None, "messages[0].content"),
         ("/v1/chat/completions", {"messages": MESSAGES, "store": True}, 400, "unsupported_value", "store"),
+        ("/v1/completions", {"prompt": "x", "no_stop_trim": True}, 400, "unsupported_value", "no_stop_trim"),
         ("/v1/completions", {"prompt": [99_999_999]}, 400, "invalid_prompt", "prompt"),
     ],
     ids=[
@@ -217,6 +218,7 @@ def test_sixteen_concurrent_streaming_clients_all_complete(daemon, client):
         "tool-calls",
         "no-content-parts",
         "store",
+        "no-stop-trim",
         "id-outside-vocab",
     ],
 )
@@ -246,6 +248,29 @@ def test_a_conversation_sent_back_as_the_client_returns_it_is_served(client, tar
     plain = [MESSAGES[0], MESSAGES[1], {"role": "assistant", "content": reply["content"]}, messages[3]]
     prompt = target.tokenizer.encode(ChatTemplate.from_checkpoint(DEFAULT_TARGET).render(plain)).ids
     assert second.choices[0].message.content == reference(target, prompt, MAX_TOKENS)[0]
+
+
+# What sglang-router adds to each request it forwards (0.3), at the values it sends.
+ROUTER_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
+ROUTER_CHAT_FIELDS = ROUTER_FIELDS | {
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+}
+
+
+def test_the_fields_a_router_adds_are_served_as_without_them(client):
+    """Behind sglang-router every request carries SGLang's own fields at values that ask for
+    nothing this server does not do: the same reply as without them."""
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    routed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body=ROUTER_FIELDS
+    )
+    assert routed.choices[0].text == plain.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, extra_body=ROUTER_CHAT_FIELDS
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
 
 
 def test_http_errors_say_what_the_path_takes(url):

@@ -1,0 +1,97 @@
+"""Replicas behind an existing router: two daemons (real processes) behind sglang-router, SGLang's
+gateway (a PyPI package with its own dependencies, so .ci/run installs it beside the project's
+environment and names it in ADASPEC_ROUTER; without it these tests skip)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_daemon import Daemon, start_daemon, stop_daemon
+
+ROUTER = os.environ.get("ADASPEC_ROUTER") or shutil.which("sglang-router")
+pytestmark = pytest.mark.skipif(ROUTER is None, reason="sglang-router is not installed (ADASPEC_ROUTER names it)")
+
+PROMPTS = ["def add(a, b):", "import os\n\n\ndef main(", "class Stack:\n    def push(self, item):"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def complete(url: str, prompt: str, timeout: float = 60.0) -> httpx.Response:
+    # The router checks the body as OpenAI's schema has it: "model" is required there.
+    body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[list[Daemon], str, Path]]:
+    folders = [Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")) for _ in range(2)]
+    daemons = [start_daemon(folder) for folder in folders]
+    assert [m["id"] for m in httpx.get(f"{daemons[0].url}/v1/models").json()["data"]] == ["target"]
+    port, log = free_port(), folders[0] / "router.log"
+    assert ROUTER is not None
+    router = subprocess.Popen(
+        [ROUTER, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        + ["--worker-urls", *(d.url for d in daemons), "--prometheus-port", str(free_port())]
+        + ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # the router takes its workers in once each answers its health check
+            assert router.poll() is None, log.read_text()[-3000:]
+            try:
+                if complete(url, PROMPTS[0], timeout=10).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the router never served:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield daemons, url, log
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(15)
+        except subprocess.TimeoutExpired:
+            router.kill()
+        for daemon in daemons:
+            stop_daemon(daemon)
+
+
+def test_replicas_behind_the_router_reply_as_one_daemon_and_share_the_load(fleet):
+    daemons, url, _ = fleet
+    expected = {p: complete(daemons[0].url, p).json()["choices"][0]["text"] for p in PROMPTS}
+    before = [d.status()["tokens"] for d in daemons]
+    for prompt in PROMPTS * 2:
+        response = complete(url, prompt)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected[prompt]  # greedy: as one daemon replies
+    served = [d.status()["tokens"] - b for d, b in zip(daemons, before)]
+    assert all(n > 0 for n in served), served  # round robin: both replicas served
+
+
+def test_when_a_replica_dies_the_router_serves_every_request_from_the_other(fleet):
+    daemons, url, log = fleet
+    expected = {p: complete(daemons[0].url, p).json()["choices"][0]["text"] for p in PROMPTS}
+    daemons[1].process.kill()
+    daemons[1].process.wait()
+    for prompt in PROMPTS * 2:
+        response = complete(url, prompt)
+        assert response.status_code == 200, f"{response.text}\n{log.read_text()[-2000:]}"
+        assert response.json()["choices"][0]["text"] == expected[prompt]
