@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,7 +95,6 @@ class Controller:
         self.pinned: int | None = None
         self.forced: int | None = None  # k for the next round only
         self.switches = 0
-        self.row_rounds: Counter[int] = Counter()  # draft length -> rows that drafted it, over all rounds
         self._k = self._wanted_k()
         self._reason = "start"
         self._require_state(self._k)
@@ -209,7 +207,7 @@ class Controller:
         if threads is not None and threads.threads != torch.get_num_threads():
             torch.set_num_threads(threads.threads)
         k, row_ks = self._k, None
-        if self.mode_name == "adaptive":
+        if self.params.per_sequence and self.mode_name == "adaptive":
             row_ks = self.policy.row_ks([seq.request.id for seq in self.engine.running])
             if row_ks:
                 # The state verifies chains up to its k: the least built one that holds every row's.
@@ -219,8 +217,6 @@ class Controller:
         result = self.engine.step(k, self.rule, row_ks)
         round_seconds = time.perf_counter() - started - result.prefill_seconds
         verified = [o for o in result.outputs if o.verified]
-        for out in verified:
-            self.row_rounds[out.drafts_proposed] += 1
         if threads is not None and verified:
             tried = threads.trying
             if threads.observe(result.k, result.batch_size, round_seconds):

@@ -337,8 +337,8 @@ class Engine:
         if seqs:
             started = time.perf_counter()
             # Plan: each row's k, never past max_tokens (the target's own token always follows the drafts).
-            planned = [k if row_ks is None else min(k, row_ks.get(seq.request.id, k)) for seq in seqs]
-            ks = [max(0, min(planned_k, seq.remaining - 1)) for planned_k, seq in zip(planned, seqs)]
+            planned = row_ks or {}
+            ks = [max(0, min(planned.get(seq.request.id, k), k, seq.remaining - 1)) for seq in seqs]
             # Propose: a chain drafter stops where the rule would cut it; a block is cut here.
             if max(ks, default=0) > 0 and self.drafter is not None:
                 proposals = self.drafter.propose(seqs, ks, rule)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -96,6 +97,8 @@ class LoopStats:
     verified: int = 0
     accepted: int = 0
     tokens_per_s: float = 0.0
+    # draft length -> sequences' rounds that drafted it (rows of a round differ with per_sequence)
+    sequence_rounds: Counter[int] = field(default_factory=Counter)
 
     @property
     def mean_accepted_drafts(self) -> float:
@@ -256,6 +259,7 @@ class EngineLoop:
             if out.verified:
                 self.stats.verified += 1
                 self.stats.accepted += out.drafts_accepted
+                self.stats.sequence_rounds[out.drafts_proposed] += 1
             if out.finish_reason is not None:
                 callback = self._finished(out.request_id)
             else:
@@ -292,5 +296,5 @@ class EngineLoop:
             tokens_per_s=stats.tokens_per_s,
             threads=None if controller.threads is None else controller.threads.threads,
             thread_switches=0 if controller.threads is None else controller.threads.switches,
-            sequence_rounds=dict(sorted(controller.row_rounds.items())),
+            sequence_rounds=dict(sorted(stats.sequence_rounds.items())),
         )

@@ -57,6 +57,8 @@ def test_requests_from_another_thread_are_served_losslessly(loop, pair):
     outputs = collect(loop, requests)
     assert [outputs[r.id] for r in requests] == [c.tokens for c in generate(target, PROMPTS, params)]
     assert loop.stats.tokens == 4 * 30 and loop.in_flight == 0
+    # every verified sequence's round is counted by the k it drafted (adaspecctl status: sequence_rounds)
+    assert sum(loop.stats.sequence_rounds.values()) == loop.stats.verified > 0
 
 
 def test_control_is_applied_while_idle_and_published_in_the_status(loop):

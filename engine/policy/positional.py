@@ -3,6 +3,8 @@ on the rounds served and what a round at each k costs (timed before serving, the
 
 from __future__ import annotations
 
+import itertools
+import operator
 import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -100,16 +102,19 @@ class PositionalPolicy(Schedule):
         self.plan: dict[str, int] | None = None
         self.planned = ((), -1)  # the ids the plan was made for, and the round it was made at
 
-    def keep_chances(self) -> list[float]:
-        """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
-        chances, survive, previous = [1.0], 1.0, 0.5
+    def keep_ratios(self) -> list[float]:
+        """The chance that a sequence which reached draft position j keeps its draft there, for
+        j = 1 .. the largest candidate (index 0 holds 1)."""
+        ratios, previous = [1.0], 0.5
         prior = PRIOR_WEIGHT * self.weight
         for j in range(1, len(self.reached)):
-            ratio = (self.kept[j] + prior * previous) / (self.reached[j] + prior)
-            survive *= ratio
-            chances.append(survive)
-            previous = ratio
-        return chances
+            previous = (self.kept[j] + prior * previous) / (self.reached[j] + prior)
+            ratios.append(previous)
+        return ratios
+
+    def keep_chances(self) -> list[float]:
+        """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
+        return list(itertools.accumulate(self.keep_ratios(), operator.mul))
 
     def tokens(self, k: int) -> float:
         """Tokens a sequence is expected to emit a round at k."""
@@ -187,23 +192,28 @@ class PositionalPolicy(Schedule):
         b = observation.batch_size
         served = self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
         first, self.after_zero = self.after_zero, False
-        if not first and observation.seconds > 0 and self.params.per_sequence:
-            if any(proposed != observation.k for proposed in observation.proposed):
-                # Rows of their own k: the round prices no single k, only how dear rounds are now.
-                mean = sum(observation.proposed) / b
-                profiled = interpolate({k: s for k in self.candidates if (s := self.profiled(k, b))}, mean)
-                if profiled is not None:
-                    self.levels.setdefault(b, deque(maxlen=WINDOW_ROUNDS)).append(observation.seconds / profiled)
-                    self.level_medians.pop(b, None)
-                return
-        if not first and observation.seconds > 0:
-            # A drafter left behind at k = 0 catches up in its first round after: not k's cost.
-            key = (observation.k, b)
-            self.seconds.setdefault(key, deque(maxlen=WINDOW_ROUNDS)).append((served, observation.seconds))
-            self.medians.pop(key, None)
-            if (profiled := self.profiled(observation.k, b)) is not None:
-                self.levels.setdefault(b, deque(maxlen=WINDOW_ROUNDS)).append(observation.seconds / profiled)
-                self.level_medians.pop(b, None)
+        # A drafter left behind at k = 0 catches up in its first round after: not k's cost.
+        if first or observation.seconds <= 0:
+            return
+        if self.params.per_sequence and any(proposed != observation.k for proposed in observation.proposed):
+            # Rows of their own k: the round prices no single k, only how dear rounds are now.
+            mean = sum(observation.proposed) / b
+            self._add_level(b, observation.seconds, interpolate(self._profiled_at(b), mean))
+            return
+        key = (observation.k, b)
+        self.seconds.setdefault(key, deque(maxlen=WINDOW_ROUNDS)).append((served, observation.seconds))
+        self.medians.pop(key, None)
+        self._add_level(b, observation.seconds, self.profiled(observation.k, b))
+
+    def _add_level(self, b: int, seconds: float, profiled: float | None) -> None:
+        """Count a round's seconds over what the profile says such a round costs at batch size b."""
+        if profiled is not None:
+            self.levels.setdefault(b, deque(maxlen=WINDOW_ROUNDS)).append(seconds / profiled)
+            self.level_medians.pop(b, None)
+
+    def _profiled_at(self, b: int) -> dict[int, float]:
+        """Every candidate's profiled seconds at batch size b, where timed."""
+        return {k: seconds for k in self.candidates if (seconds := self.profiled(k, b)) is not None}
 
     def observe(self, observation: Observation) -> Decision | None:
         if not observation.accepted:
@@ -310,8 +320,7 @@ class PositionalPolicy(Schedule):
         prices = {k: seconds for k in self.candidates if (seconds := self.median_seconds(k, b))}
         if len(prices) < 2:
             return None
-        chances = self.keep_chances()
-        ratios = [1.0] + [chances[j] / chances[j - 1] if chances[j - 1] else 0.0 for j in range(1, len(chances))]
+        ratios = self.keep_ratios()
         top = max(prices)
         gains = []  # (chance of keeping it, -position, row): a row's chances fall with the position
         for row, request in enumerate(ids):
