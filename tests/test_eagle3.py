@@ -72,7 +72,7 @@ def trained_head(pair) -> Eagle3Model:
     with the training script's loss: it keeps some drafts and loses others, so rounds end in every
     way (all kept, some, none)."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from train_eagle3 import ttt_loss
+    from train_eagle3 import target_outputs, ttt_loss
 
     target, _ = pair
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -80,8 +80,9 @@ def trained_head(pair) -> Eagle3Model:
     head = head_for(target.model, taps=(0, 1, 1)).train().requires_grad_(True)
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
+    taps, log_p = target_outputs(head, target.model, tokens)
     for _ in range(120):
-        loss, _ = ttt_loss(head, target.model, tokens, 16, 4, 0.8, generator)
+        loss, _ = ttt_loss(head, target.model, tokens, taps, log_p, 16, 4, 0.8, generator)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

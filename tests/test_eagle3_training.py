@@ -268,3 +268,49 @@ def test_the_training_loss_on_cuda_is_the_cpus(pair):
     assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-3)
     assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-3)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-5)
+
+
+def test_kept_target_outputs_are_the_targets_and_a_run_on_them_trains(pair, tmp_path):
+    """--keep-outputs: the taps and distributions kept once (by the target as served) are the
+    ones the target gives on PyTorch operators, each position's most likely draft id first; a run
+    trains on them (its loss falls), and the same command again reads them back rather than
+    running the target over every sequence a second time."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_eagle3 import cached_outputs, dense_log_p, target_outputs
+
+    target, _ = pair
+    head = head_for(target.model, draft_vocab=32)
+    tokens = torch.tensor([(p * 12)[:24] for p in PROMPTS[:5]])
+    taps, best_ids, best_log_p = cached_outputs(target.path, tokens, head, 8, tmp_path / "kept", "cpu", chunk=2)
+    want_taps, want_log_p = target_outputs(head, target.model, tokens)
+    assert taps.dtype == torch.bfloat16 and taps.shape == want_taps.shape
+    torch.testing.assert_close(taps.float(), want_taps, rtol=2e-2, atol=2e-2)
+    assert torch.equal(best_ids[..., 0].long(), want_log_p.argmax(-1))
+    torch.testing.assert_close(best_log_p.float(), want_log_p.gather(-1, best_ids.long()), rtol=1e-2, atol=1e-2)
+    dense = dense_log_p(best_ids, best_log_p, 32)
+    assert torch.equal(dense.argmax(-1), want_log_p.argmax(-1))
+    torch.testing.assert_close(dense.exp().sum(-1), torch.ones(dense.shape[:-1]))
+    assert len(list((tmp_path / "kept").glob("part-*.pt"))) == 1
+
+    import random
+
+    rng = random.Random(5)
+    (tmp_path / "data.txt").write_text(" ".join(f"w{rng.randrange(2, 40)}" for _ in range(400)))
+    out = tmp_path / "head"
+    command = [sys.executable, "tools/train_eagle3.py", str(target.path), str(out), "--steps", "60", "--unroll", "3"]
+    command += ["--seq-len", "40", "--prompt-len", "16", "--regenerate", "12", "--chains", "8", "--batch", "4"]
+    command += ["--lr", "3e-3", "--data", str(tmp_path / "data.txt"), "--prompts", "0", "--draft-vocab", "24"]
+    command += ["--work", str(tmp_path / "work"), "--keep-outputs", "6"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "target outputs kept for 12/12 sequences" in done.stderr
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["kept_outputs_top"] == 6 and report["last_loss"] < 0.6 * report["first_loss"]
+    (tmp_path / "work" / "state.pt").unlink()  # train again from the start, on what was kept
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "target outputs kept" not in again.stderr
+
+    refused = subprocess.run(
+        [*command[:2], str(target.path), str(out), "--keep-outputs", "4"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--keep-outputs needs --regenerate" in refused.stderr

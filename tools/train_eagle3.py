@@ -3,7 +3,8 @@
     python tools/train_eagle3.py TARGET OUT [--steps 2000] [--unroll 7] [--decay 0.8] [--batch 8]
         [--seq-len 256] [--chains 48] [--lr 6e-4] [--greedy-weight 0] [--taps L1 L2 L3] [--draft-vocab N]
         [--work DIR] [--seed 0] [--device cpu] [--time-budget SECONDS] [--intermediate-size N]
-        [--regenerate N [--prompt-len 96] [--regenerate-chunk 64] [--sampled-share 0 [--sample-temperature 0.8]]]
+        [--regenerate N [--prompt-len 96] [--regenerate-chunk 64] [--sampled-share 0 [--sample-temperature 0.8]]
+         [--keep-outputs N]]
         [--init HEAD]
         [--data FILE_OR_DIR ... [--exclude FOLDER_NAME ...]] [--held-out FILE_OR_DIR ...]
 
@@ -14,8 +15,10 @@ embedding of the true token p + j + 1 beside its own output feature of step j - 
 the target-fed entries up to p and to its own chain; step j's loss is the KL divergence from the
 target's next-token distribution at p + j + 1 (soft targets; with --greedy-weight W, (1 - W)
 times that plus W times the cross-entropy of its most likely token), weighted decay^j. AdamW, cosine
-schedule. The target's features are computed on the fly (for a target this small that is cheaper
-than reading them back from disk). With --regenerate N the data are N windows of --prompt-len
+schedule. The target's features are computed on the fly each step; with --keep-outputs N (and
+--regenerate) they are computed once, by the target as served, and kept in --work: the taps in
+bfloat16 and each position's N most likely draft ids with their log-probabilities (the KL is then
+taken over those N, renormalized). For a 30-layer target that is most of a step saved. With --regenerate N the data are N windows of --prompt-len
 training tokens each followed by the target's own greedy continuation to --seq-len (what the head
 meets when the target serves greedily), and chains start in the continuation; with
 --sampled-share S a share S of them are continued by sampling at --sample-temperature instead (what
@@ -140,10 +143,75 @@ def widen_mlp(state: dict[str, Tensor], head: Eagle3Model) -> dict[str, Tensor]:
     return state
 
 
+def target_outputs(head: Eagle3Model, target: Transformer, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """What the head learns from, for sequences [N, T]: the target's hidden states at the head's
+    taps side by side [N, T, 3D] and its next-token log-probabilities over the draft vocabulary."""
+    with torch.no_grad():
+        logits, taps = target.train_layers(tokens, head.taps)
+        assert logits is not None
+        log_p = F.log_softmax(logits.float()[..., head.draft_to_target()], dim=-1)
+    return torch.cat([taps[i] for i in head.taps], dim=-1).float(), log_p
+
+
+@torch.inference_mode()
+def cached_outputs(
+    target_path: Path, sequences: Tensor, head: Eagle3Model, top: int, folder: Path, device: str, chunk: int = 4
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`target_outputs` of every sequence, computed once by the target as served (the compiled
+    forward on a CPU, the file's weights as stored) and kept: the taps in bfloat16 [N, T, 3D], and
+    of each position's draft-vocabulary distribution only its `top` most likely ids (indices into
+    the draft vocabulary) and their log-probabilities. A 30-layer target's forward costs several
+    times the head's training step; read back, it costs nothing. Kept in `folder` a part at a
+    time, so an interrupted run picks up where it stopped."""
+    folder.mkdir(parents=True, exist_ok=True)
+    part_size, parts = 64, []
+    served = None
+    ids = head.draft_to_target().to(device)
+    started = time.time()
+    for first in range(0, len(sequences), part_size):
+        path = folder / f"part-{first // part_size:05d}.pt"
+        if path.exists():
+            parts.append(torch.load(path))
+            continue
+        if served is None:
+            served = load_checkpoint(target_path, device).model
+        pieces: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
+        for at in range(first, min(first + part_size, len(sequences)), chunk):
+            rows = sequences[at : at + chunk]
+            cache = served.new_cache(len(rows), rows.shape[1])
+            slots = [cache.allocate() for _ in range(len(rows))]
+            out = served(served.batch(cache, slots, rows.tolist()), cache, capture=head.taps)
+            log_p = F.log_softmax(out.logits.float()[..., ids], dim=-1)
+            best = log_p.topk(top, dim=-1)
+            pieces[0].append(torch.cat([out.hidden[i] for i in head.taps], dim=-1).to(torch.bfloat16).cpu())
+            pieces[1].append(best.indices.to(torch.int32).cpu())
+            pieces[2].append(best.values.to(torch.float16).cpu())
+        part = tuple(torch.cat(p) for p in pieces)
+        torch.save(part, path)
+        parts.append(part)
+        done = min(first + part_size, len(sequences))
+        rate = done * sequences.shape[1] / max(time.time() - started, 1e-9)
+        print(f"target outputs kept for {done}/{len(sequences)} sequences ({rate:.0f} tokens/s)", file=sys.stderr)
+    taps, best_ids, best_log_p = (torch.cat([part[i] for part in parts]) for i in range(3))
+    return taps, best_ids, best_log_p
+
+
+def dense_log_p(best_ids: Tensor, best_log_p: Tensor, vocab: int) -> Tensor:
+    """Kept top ids and log-probabilities [..., top] as log-probabilities over the whole draft
+    vocabulary [..., vocab], renormalized over the kept ids; the others get a floor whose
+    probability is 0 in float32 (finite, so that 0 times its log stays 0)."""
+    kept = best_log_p.float()
+    kept = kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+    dense = torch.full((*kept.shape[:-1], vocab), -1e4, dtype=torch.float32, device=kept.device)
+    return dense.scatter_(-1, best_ids.long(), kept)
+
+
 def ttt_loss(
     head: Eagle3Model,
     target: Transformer,
     tokens: Tensor,
+    taps: Tensor,
+    log_p: Tensor,
     chains: int,
     unroll: int,
     decay: float,
@@ -151,7 +219,8 @@ def ttt_loss(
     first_chain: int = 0,
     greedy_weight: float = 0.0,
 ) -> tuple[Tensor, list[float]]:
-    """The training-time-test loss of one batch of sequences [N, T] and each step's own loss:
+    """The training-time-test loss of one batch of sequences [N, T] and each step's own loss,
+    given the target's taps and log-probabilities for them (`target_outputs`):
     `chains` chain starts per sequence drawn from [first_chain, T - 1 - unroll]. Each step's loss
     is the KL divergence from the target's distribution, or with `greedy_weight` w, (1 - w) times
     that plus w times the cross-entropy of the target's most likely token alone (all that greedy
@@ -159,12 +228,8 @@ def ttt_loss(
     batch, length = tokens.shape
     device = tokens.device
     with torch.no_grad():
-        logits, taps = target.train_layers(tokens, head.taps)
-        assert logits is not None
-        # The target's next-token distribution per position, over the draft vocabulary.
-        log_p = F.log_softmax(logits.float()[..., head.draft_to_target()], dim=-1)
         embeds = target.embed_tokens(tokens).float()
-    features = head.features(torch.cat([taps[i] for i in head.taps], dim=-1).float())
+    features = head.features(taps.float())
     entries = length - 1  # position p reads token p + 1
     _, keys, values = head.qkv(embeds[:, 1:], features[:, :entries], torch.arange(entries, device=device))
     span = length - unroll - first_chain
@@ -246,7 +311,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--sample-temperature", type=above_zero, default=0.8)
     parser.add_argument("--exclude", nargs="*", default=[], help="folder names left out of --data (vendored copies)")
+    parser.add_argument(
+        "--keep-outputs",
+        type=at_least(0),
+        default=0,
+        help="with --regenerate: compute the target's outputs once and keep them in --work, each"
+        " position's distribution as its N most likely draft ids (0: compute them every step)",
+    )
     args = parser.parse_args(argv)
+    if args.keep_outputs and not args.regenerate:
+        parser.error("--keep-outputs needs --regenerate (the outputs of a fixed set of sequences are kept)")
     if not 0 <= args.greedy_weight <= 1:
         parser.error(f"--greedy-weight must be between 0 and 1, not {args.greedy_weight}")
     if not 0 <= args.time_budget < math.inf:  # NaN too
@@ -307,6 +381,12 @@ def main(argv: list[str] | None = None) -> None:
             start["lm_head.weight"] = start["lm_head.weight"][head.draft_to_target()]  # its rows for our ids
             start.update(d2t=head.d2t, t2d=head.t2d)
         head.load_state_dict(widen_mlp(start, head))
+    kept = None
+    if args.keep_outputs:
+        taps = "-".join(map(str, config.target_layer_ids))
+        shape = f"{len(sequences)}x{args.seq_len}-taps{taps}-vocab{config.draft_vocab_size}"
+        folder = work / f"outputs-{shape}-top{args.keep_outputs}"
+        kept = cached_outputs(args.target, sequences, head, args.keep_outputs, folder, args.device)
     head.to(args.device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
@@ -333,13 +413,30 @@ def main(argv: list[str] | None = None) -> None:
     now, end = schedule()
     finished = now >= end
     while not finished:
-        tokens = training_batch(args, data, sequences if args.regenerate else None, rng).to(args.device)
+        if kept is not None:
+            pick = torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])
+            tokens = sequences[pick].to(args.device)
+            taps = kept[0][pick].to(args.device)
+            log_p = dense_log_p(kept[1][pick], kept[2][pick], config.draft_vocab_size).to(args.device)
+        else:
+            tokens = training_batch(args, data, sequences if args.regenerate else None, rng).to(args.device)
+            taps, log_p = target_outputs(head, model, tokens)
         # With --regenerate, chains start at the last prompt token or after: the target's own greedy text.
         first_chain = args.prompt_len - 1 if args.regenerate else 0
         for group in optimizer.param_groups:
             group["lr"] = lr_at(*schedule(), args.lr)
         loss, step_losses = ttt_loss(
-            head, model, tokens, args.chains, args.unroll, args.decay, generator, first_chain, args.greedy_weight
+            head,
+            model,
+            tokens,
+            taps,
+            log_p,
+            args.chains,
+            args.unroll,
+            args.decay,
+            generator,
+            first_chain,
+            args.greedy_weight,
         )
         optimizer.zero_grad()
         loss.backward()
@@ -396,6 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         "sample_temperature": args.sample_temperature if args.sampled_share else None,
         "prompt_len": args.prompt_len if args.regenerate else None,
         "init": str(args.init) if args.init else None,
+        "kept_outputs_top": args.keep_outputs or None,
         "first_loss": losses[0] if losses else None,
         "last_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "last_loss_per_step": [sum(s[j] for s in recent) / max(1, len(recent)) for j in range(args.unroll)],
