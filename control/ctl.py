@@ -1,10 +1,15 @@
-"""adaspecctl: send one command to a running adaspec daemon over its admin socket.
+"""adaspecctl: send one command to running adaspec daemons over their admin sockets.
 
-    adaspecctl [--socket PATH] [--json] [--timeout S] COMMAND [ARGS]
+    adaspecctl [--socket PATH]... [--json] [--timeout S] COMMAND [ARGS]
 
 Exit status: 0 ok, 1 the daemon answered with an error, 2 usage error, 3 no answer (socket
 missing or refusing, timeout, connection dropped). `ExecReload=adaspecctl reload` therefore makes
 `systemctl reload` fail visibly when the daemon rejects a new configuration.
+
+`--socket` given several times sends the command to each daemon in turn (replicas behind a
+router: pin or unpin k on all of them, read every status); each reply is shown under its socket,
+a socket that does not answer does not stop the others, and the exit status is the worst one
+(3 where any did not answer, else 1 where any answered with an error).
 
 A plain blocking socket and no third-party imports: this runs once per command and should start
 fast.
@@ -212,7 +217,17 @@ def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     def default(value: Any) -> Any:
         return value if defaults else argparse.SUPPRESS
 
-    parser.add_argument("--socket", type=Path, default=default(None), metavar="PATH", help="admin socket path")
+    # Sockets after the command are kept apart from those before it (a subparser's value would
+    # replace, not extend, the main parser's).
+    parser.add_argument(
+        "--socket",
+        type=Path,
+        action="append",
+        dest="socket" if defaults else "sockets_after",
+        default=default(None),
+        metavar="PATH",
+        help="admin socket path (several: the command goes to each)",
+    )
     parser.add_argument("--json", action="store_true", default=default(False), help="print the reply as JSON")
     parser.add_argument(
         "--timeout", type=_timeout, default=default(DEFAULT_TIMEOUT_S), metavar="S", help="seconds to wait"
@@ -242,35 +257,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 after --help
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 
-    path = options.socket or default_socket_path()
+    paths = (options.socket or []) + (getattr(options, "sockets_after", None) or []) or [default_socket_path()]
     args = {"k": options.k} if COMMANDS[options.command][1] else {}
-    try:
-        reply = request(path, options.command, args, timeout=options.timeout)
-    except Unreachable as exc:
-        if options.json:  # a script reading JSON gets JSON, as for an error reply
-            print(json.dumps({"code": "unreachable", "message": str(exc)}, indent=2))
-        else:
-            print(f"adaspecctl: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except KeyboardInterrupt:
-        return 130
+    outcomes: list[tuple[Path, int, dict[str, Any]]] = []
+    for path in dict.fromkeys(paths):
+        try:
+            outcomes.append((path, *_outcome(request(path, options.command, args, timeout=options.timeout))))
+        except Unreachable as exc:
+            outcomes.append((path, EXIT_UNREACHABLE, {"code": "unreachable", "message": str(exc)}))
+        except KeyboardInterrupt:
+            return 130
+    if len(outcomes) == 1:
+        _show(*outcomes[0], json_out=options.json)
+    elif options.json:
+        print(json.dumps([_entry(path, code, body) for path, code, body in outcomes], indent=2))
+    else:
+        for path, code, body in outcomes:
+            _show(path, code, body, json_out=False, heading=True)
+    codes = {code for _, code, _ in outcomes}
+    return EXIT_UNREACHABLE if EXIT_UNREACHABLE in codes else max(codes)
 
+
+def _outcome(reply: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """A reply as (exit status, its result or its error)."""
     if reply.get("ok"):
-        result = reply.get("result", {})
-        if options.json:
-            print(json.dumps(result, indent=2))
-        elif result:
-            print("\n".join(format_value(result)))
-        return EXIT_OK
-
+        return EXIT_OK, reply.get("result", {})
     error = reply.get("error")
     if not isinstance(error, dict):
         error = {"code": "unknown", "message": repr(error)}
-    if options.json:
-        print(json.dumps(error, indent=2))
+    return EXIT_ERROR_REPLY, error
+
+
+def _entry(path: Path, code: int, body: dict[str, Any]) -> dict[str, Any]:
+    """One socket's outcome in --json's list for several sockets."""
+    return {"socket": str(path), "ok": code == EXIT_OK, ("result" if code == EXIT_OK else "error"): body}
+
+
+def _show(path: Path, code: int, body: dict[str, Any], *, json_out: bool, heading: bool = False) -> None:
+    """One socket's outcome: the result on stdout, an error or no answer on stderr (JSON on stdout
+    with --json, so that a script reading JSON gets JSON); under a heading naming the socket
+    where several were asked."""
+    if heading:
+        print(f"{path}:" if code == EXIT_OK else f"{path}: failed", flush=True)
+    if json_out:
+        print(json.dumps(body, indent=2))
+    elif code == EXIT_OK:
+        lines = format_value(body, indent=1 if heading else 0) if body else []
+        if lines:
+            print("\n".join(lines))
+    elif code == EXIT_UNREACHABLE:
+        print(f"adaspecctl: {body['message']}", file=sys.stderr, flush=True)
     else:
-        print(f"error [{error.get('code', 'unknown')}]: {error.get('message', '')}", file=sys.stderr)
-    return EXIT_ERROR_REPLY
+        print(f"error [{body.get('code', 'unknown')}]: {body.get('message', '')}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -367,6 +367,42 @@ async def test_ctl_against_a_live_server(sock_path: Path) -> None:
         }
 
 
+async def test_ctl_sends_one_command_to_several_daemons(sock_path: Path) -> None:
+    """--socket given several times (before and after the command): each daemon gets the command
+    in turn and its reply is shown under its socket; one that does not answer does not stop the
+    others, and the exit status says the worst."""
+    first, second = sock_path, sock_path.parent.parent / "second" / "admin.sock"
+    pinned: dict[str, int] = {}
+
+    def remembering(name: str) -> AdminHandler:
+        async def handler(cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            if cmd == "pin":
+                pinned[name] = args["k"]
+            return await ctl_handler(cmd, args, peer)
+
+        return handler
+
+    async with running(first, remembering("first")), running(second, remembering("second")):
+        code, out, err = await ctl("--socket", str(first), "pin", "3", "--socket", str(second))
+        assert (code, err) == (0, "") and pinned == {"first": 3, "second": 3}
+        assert out.splitlines() == [f"{first}:", "  mode: pin", "  k: 3", f"{second}:", "  mode: pin", "  k: 3"]
+        code, out, _ = await ctl("--socket", str(first), "--socket", str(second), "--json", "status")
+        replies = json.loads(out)
+        assert code == 0 and [r["socket"] for r in replies] == [str(first), str(second)]
+        assert all(r["ok"] and r["result"]["k"] == 4 for r in replies)
+
+        code, out, err = await ctl("--socket", str(first), "--socket", str(second), "reload")
+        assert code == 1 and err.count("error [reload_rejected]") == 2
+
+        missing = sock_path.parent.parent / "gone" / "admin.sock"
+        code, out, err = await ctl("--socket", str(missing), "--socket", str(first), "pin", "5")
+        assert code == 3 and pinned["first"] == 5  # the daemon after the missing one got it
+        assert f"{missing}: failed" in out and f"{first}:" in out and "no such socket" in err
+        code, out, _ = await ctl("--socket", str(missing), "--socket", str(second), "--json", "unpin")
+        assert code == 3 and [r["ok"] for r in json.loads(out)] == [False, True]
+        assert json.loads(out)[0]["error"]["code"] == "unreachable"
+
+
 async def test_ctl_usage_errors_and_unreachable_socket(sock_path: Path) -> None:
     for argv in (
         ["pin"],
