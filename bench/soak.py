@@ -63,7 +63,7 @@ ema_alpha = 0.2
 socket = "{socket}"
 
 [server]
-port = 0
+port = {port}
 max_queue = {max_queue}
 
 [logging]
@@ -75,6 +75,7 @@ format = "json"
 class Tally:
     sent: int = 0
     completed: int = 0
+    tokens: int = 0  # completion tokens of the completed requests, as their usage says
     backpressure: int = 0  # 503 with Retry-After
     hung: int = 0
     mismatched: int = 0
@@ -124,27 +125,44 @@ def cases(target_dir: Path) -> list[Case]:
     return out
 
 
-def text_of(path: str, stream: bool, payload: bytes) -> str:
+def text_of(path: str, stream: bool, payload: bytes) -> tuple[str, int]:
+    """A reply's text and its completion tokens (a stream's from its usage chunk, which the
+    client asks for)."""
     if not stream:
-        choice = json.loads(payload)["choices"][0]
-        return choice["message"]["content"] if path.endswith("chat/completions") else choice["text"]
-    parts = []
+        reply = json.loads(payload)
+        choice = reply["choices"][0]
+        text = choice["message"]["content"] if path.endswith("chat/completions") else choice["text"]
+        return text, reply["usage"]["completion_tokens"]
+    parts, tokens = [], 0
     for line in payload.decode().splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+        chunk = json.loads(line[6:])
+        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+        choice = (chunk.get("choices") or [{}])[0]
         parts.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
     if "data: [DONE]" not in payload.decode():
         raise ValueError("the stream ended without [DONE]")
-    return "".join(parts)
+    return "".join(parts), tokens
 
 
-def client(address: tuple[str, int], all_cases: list[Case], until: float, timeout: float, tally: Tally, seed: int):
+def client(
+    address: tuple[str, int],
+    all_cases: list[Case],
+    until: float,
+    timeout: float,
+    tally: Tally,
+    seed: int,
+    model: str | None = None,
+) -> None:
+    """Requests one after another until `until`, each counted in `tally`; `model` names the
+    model in every body (a router requires it)."""
     rng = random.Random(seed)
     while time.monotonic() < until:
         case = rng.choice(all_cases)
         stream = rng.random() < 0.5
-        body = json.dumps({**case.body, "stream": stream})
+        fields = {"stream_options": {"include_usage": True}} if stream else {}
+        body = json.dumps({**case.body, "stream": stream, **fields, **({"model": model} if model else {})})
         tally.note(sent=1)
         connection = http.client.HTTPConnection(*address, timeout=timeout)
         try:
@@ -167,11 +185,11 @@ def client(address: tuple[str, int], all_cases: list[Case], until: float, timeou
             tally.fail(str(response.status), payload.decode(errors="replace"))
             continue
         try:
-            text = text_of(case.path, stream, payload)
+            text, tokens = text_of(case.path, stream, payload)
         except (ValueError, KeyError, IndexError) as err:
             tally.fail("bad body", f"{err}: {payload[:200]!r}")
             continue
-        tally.note(completed=1)
+        tally.note(completed=1, tokens=tokens)
         if case.expected is not None and text != case.expected:
             tally.note(mismatched=1)
             tally.fail("mismatch", f"{case.path} stream={stream}: {text!r} != {case.expected!r}")
@@ -271,7 +289,11 @@ def _not_json(name: str) -> float:
     raise ValueError(f"the reply holds {name}")
 
 
-def start(folder: Path, max_batch_size: int, max_queue: int) -> tuple[subprocess.Popen, Path, Path, tuple[str, int]]:
+def start(
+    folder: Path, max_batch_size: int, max_queue: int, port: int = 0
+) -> tuple[subprocess.Popen, Path, Path, tuple[str, int]]:
+    """A daemon on the default models with a config of its own in `folder` (on `port`, 0: a free
+    one), once it serves: its process, config, admin socket and HTTP address."""
     sock, config = folder / "admin.sock", folder / "config.toml"
     config.write_text(
         CONFIG.format(
@@ -280,9 +302,16 @@ def start(folder: Path, max_batch_size: int, max_queue: int) -> tuple[subprocess
             socket=sock,
             max_batch_size=max_batch_size,
             max_queue=max_queue,
+            port=port,
         )
     )
-    log = (folder / "daemon.log").open("w")
+    return launch(folder)
+
+
+def launch(folder: Path) -> tuple[subprocess.Popen, Path, Path, tuple[str, int]]:
+    """The daemon of `folder`'s config.toml (as `start` wrote it, or edited since), once it serves."""
+    sock, config = folder / "admin.sock", folder / "config.toml"
+    log = (folder / "daemon.log").open("a")
     process = subprocess.Popen(
         [sys.executable, "-m", "daemon.cli", "--config", str(config)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
     )
@@ -353,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_batch_size": args.max_batch_size,
         "sent": tally.sent,
         "completed": tally.completed,
+        "tokens": tally.tokens,
         "failed": dict(tally.failed),
         "backpressure_503": tally.backpressure,
         "hung": tally.hung + stuck,

@@ -4,11 +4,13 @@ environment and names it in ADASPEC_ROUTER; without it these tests skip)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import ROOT
 from tests.test_daemon import Daemon, start_daemon, stop_daemon
 
 ROUTER = os.environ.get("ADASPEC_ROUTER") or shutil.which("sglang-router")
@@ -112,3 +115,23 @@ def test_a_replica_killed_mid_load_costs_no_request(fleet):
     failed = [(i, reply) for i, (status, reply) in enumerate(replies) if status != 200]
     assert not failed, f"{failed[:3]}\n{log.read_text()[-2000:]}"
     assert all(text == expected[PROMPTS[i % len(PROMPTS)]] for i, (_, text) in enumerate(replies))
+
+
+def test_the_fleet_bench_steers_replicas_through_load_and_a_kill(tmp_path):
+    """python -m bench.fleet, small: two replicas behind the router serve clients while every
+    config is edited, adaspecctl pins and unpins the fleet and one replica is killed and started
+    again; no greedy reply differs from target-only output, nothing fails beyond what the killed
+    replica held, and both end on the edited config."""
+    out = tmp_path / "fleet.json"
+    command = [sys.executable, "-m", "bench.fleet", "--replicas", "2", "--clients", "4", "--seconds", "12"]
+    done = subprocess.run(
+        [*command, "--router", str(ROUTER), "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["fleet"]["completed"] > 0 and report["fleet"]["mismatched"] == 0
+    assert report["one_daemon"]["completed"] > 0 and report["one_daemon"]["failed"] == {}
+    assert [r["strategy"] for r in report["replicas_at_end"]] == ["ema", "ema"]
+    assert report["replicas_at_end"][0]["generation"] == 2  # edited live; the other was started again
+    assert any("killed" in line for line in report["steering"]) and report["steering_problems"] == []
+    assert "adaspecctl pin 3 on 2 sockets: exit 0" in report["steering"]
