@@ -87,11 +87,14 @@ def test_a_drafter_deepened_by_the_training_script_starts_by_drafting_what_it_de
     assert refused.returncode != 0 and "--init has weights this drafter lacks: ['layers.2." in refused.stderr
 
 
-@pytest.mark.parametrize("draft_vocab, short_blocks", [(0, 0.0), (24, 0.5)])
-def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, tmp_path, draft_vocab, short_blocks):
+@pytest.mark.parametrize("draft_vocab, short_blocks, keep", [(0, 0.0, False), (24, 0.5, True)])
+def test_the_training_script_learns_the_targets_own_greedy_continuations(
+    pair, tmp_path, draft_vocab, short_blocks, keep
+):
     """With --regenerate the data is the target's own greedy output after training-text prompts
     (what a drafter meets when the target serves greedily), and the drafter learns it, over the
-    whole vocabulary or over --draft-vocab's most frequent ids, on whole blocks or on shorter ones too."""
+    whole vocabulary or over --draft-vocab's most frequent ids, on whole blocks or on shorter ones
+    too, with the target's taps computed every step or once and kept (--keep-outputs)."""
     import subprocess
     import sys
 
@@ -105,8 +108,10 @@ def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, t
     command += ["--seq-len", "40", "--prompt-len", "16", "--regenerate", "12", "--anchors", "8", "--batch", "4"]
     command += ["--lr", "3e-3", "--data", str(tmp_path / "data.txt"), "--prompts", "0", "--work", str(work)]
     command += ["--draft-vocab", str(draft_vocab), "--short-blocks", str(short_blocks)]
+    command += ["--keep-outputs"] if keep else []
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert ("target outputs kept for 12/12 sequences" in done.stderr) == keep
     sequences = torch.load(work / "greedy.pt")
     drafter = load_dflash(out, target.model)
     assert drafter.config.short_blocks == (short_blocks > 0)
@@ -119,5 +124,16 @@ def test_the_training_script_learns_the_targets_own_greedy_continuations(pair, t
     continuations = generate(target, prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [c.tokens for c in continuations] == sequences[:, 16:].tolist()
     report = json.loads((out / "training_report.json").read_text())
-    assert report["regenerated_sequences"] == 12
+    assert report["regenerated_sequences"] == 12 and report["kept_outputs"] == keep
     assert report["last_loss"] < 0.6 * report["first_loss"]  # cross-entropy on the target's greedy tokens
+    if keep:  # again, for a time budget, from what was kept (no target forward over the sequences)
+        budget = [*command[:4], "--time-budget", "2", *command[6:], "--work", str(tmp_path / "work2")]
+        (tmp_path / "work2").mkdir()
+        (tmp_path / "work2" / "greedy.pt").write_bytes((work / "greedy.pt").read_bytes())
+        kept = next(work.glob("outputs-*"))
+        (tmp_path / "work2" / kept.name).symlink_to(kept)
+        done = subprocess.run(budget, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "target outputs kept" not in done.stderr and "regenerated" not in done.stderr
+        report = json.loads((out / "training_report.json").read_text())
+        assert report["time_budget"] == 2 and report["steps"] > 0 and 2 <= report["wall_seconds_this_run"] < 60

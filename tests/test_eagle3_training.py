@@ -276,12 +276,16 @@ def test_kept_target_outputs_are_the_targets_and_a_run_on_them_trains(pair, tmp_
     trains on them (its loss falls), and the same command again reads them back rather than
     running the target over every sequence a second time."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from train_eagle3 import cached_outputs, dense_log_p, target_outputs
+    from train_dflash import kept_outputs
+    from train_eagle3 import dense_log_p, target_outputs
 
     target, _ = pair
     head = head_for(target.model, draft_vocab=32)
     tokens = torch.tensor([(p * 12)[:24] for p in PROMPTS[:5]])
-    taps, best_ids, best_log_p = cached_outputs(target.path, tokens, head, 8, tmp_path / "kept", "cpu", chunk=2)
+    taps, best_ids, best_log_p = kept_outputs(
+        target.path, tokens, head.taps, tmp_path / "kept", "cpu", head.draft_to_target(), 8, chunk=2
+    )
+    assert best_ids is not None and best_log_p is not None
     want_taps, want_log_p = target_outputs(head, target.model, tokens)
     assert taps.dtype == torch.bfloat16 and taps.shape == want_taps.shape
     torch.testing.assert_close(taps.float(), want_taps, rtol=2e-2, atol=2e-2)

@@ -2,8 +2,9 @@
 
     python tools/train_dflash.py TARGET OUT [--steps 1500] [--block 8] [--layers 2] [--taps 2]
         [--batch 4] [--seq-len 256] [--anchors 32] [--lr 6e-4] [--gamma 4] [--work DIR] [--seed 0]
-        [--regenerate N [--prompt-len 96]] [--init DRAFTER] [--draft-vocab N] [--short-blocks P]
-        [--save-dtype float32|bfloat16] [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
+        [--regenerate N [--prompt-len 96] [--keep-outputs]] [--init DRAFTER] [--draft-vocab N]
+        [--short-blocks P] [--save-dtype float32|bfloat16] [--device cpu] [--time-budget SECONDS]
+        [--data FILE_OR_DIR ...] [--held-out FILE_OR_DIR ...]
 
 The published recipe, small: each training sequence gets random anchor positions, each starting a
 block [token at the anchor, mask x (B-1)] whose queries see the context before the anchor (the
@@ -14,8 +15,10 @@ on the data as it is, the KL divergence from the target's own next-token distrib
 target's own greedy continuation to --seq-len (what the drafter meets when the target serves
 greedily; the published recipe regenerates its responses with the target), blocks start in the
 continuation and the loss is the cross-entropy of the target's greedy tokens. AdamW with a cosine
-schedule. The target's features are computed on the fly: for a target this small that is cheaper
-than reading them back from disk.
+schedule. The target's features are computed on the fly each step; with --keep-outputs (and
+--regenerate) they are computed once, by the target as served, and kept in --work in bfloat16: for
+a 30-layer target that is most of a step saved. --time-budget trains for a fixed time with the
+schedule running on the clock; --device cuda trains on a GPU.
 
 Data: without --data, the standard library's .py files outside test folders (what the default
 models were trained on); held out, its test files. Resumable: a checkpoint in --work every 100
@@ -207,17 +210,24 @@ def block_loss(
     first_anchor: int = 1,
     greedy_labels: bool = False,
     size: int | None = None,
+    kept_taps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weighted block loss of one batch of sequences [N, T], anchors drawn from
     [first_anchor, T - B], in blocks of `size` positions (default: the drafter's block size).
     With `greedy_labels` the tokens after each anchor are the target's own greedy choices and
     are the labels (cross-entropy); otherwise the labels are the target's next-token
-    distributions (KL divergence)."""
+    distributions (KL divergence). `kept_taps`: the target's tapped hidden states side by side
+    ([N, T, taps * D], `kept_outputs`), where they were kept (greedy labels only)."""
     config = draft.config
     size, (batch, length) = size or config.block_size, tokens.shape
-    with torch.no_grad():
-        target_logits, taps = target.train_layers(tokens, config.target_layer_ids, logits=not greedy_labels)
-    features = draft.features([taps[i] for i in config.target_layer_ids])
+    if kept_taps is not None:
+        assert greedy_labels, "kept taps carry no distributions"
+        target_logits, layers = None, kept_taps.float().chunk(len(config.target_layer_ids), dim=-1)
+    else:
+        with torch.no_grad():
+            target_logits, taps = target.train_layers(tokens, config.target_layer_ids, logits=not greedy_labels)
+        layers = tuple(taps[i] for i in config.target_layer_ids)
+    features = draft.features(list(layers))
     positions = torch.arange(length).expand(batch, length)
     context_k, context_v = draft.context(features, positions)
     # Anchors: block i starts at a_i (its first token has no hidden state: context is < a_i).
@@ -304,6 +314,55 @@ def target_continuations(
         rate = (len(done) - before) * new_tokens / max(time.time() - started, 1e-9)
         print(f"regenerated {len(done)}/{count} sequences ({rate:.0f} tokens/s)", file=sys.stderr, flush=True)
     return done
+
+
+@torch.inference_mode()
+def kept_outputs(
+    target_path: Path,
+    sequences: torch.Tensor,
+    taps: tuple[int, ...],
+    folder: Path,
+    device: str = "cpu",
+    ids: torch.Tensor | None = None,
+    top: int = 0,
+    chunk: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The target's outputs for every sequence [N, T], computed once by the target as served (the
+    compiled forward on a CPU, a file's weights as stored) and kept: the hidden states at `taps`
+    side by side in bfloat16 [N, T, len(taps) * D], and with `top` each position's `top` most
+    likely ids among `ids` (indices into `ids`) with their log-probabilities over `ids` (else
+    None). A 30-layer target's forward costs several times a drafter's training step; read back,
+    it costs nothing. Kept in `folder` a part at a time, so an interrupted run picks up there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    part_size, parts, served = 64, [], None
+    started = time.time()
+    for first in range(0, len(sequences), part_size):
+        path = folder / f"part-{first // part_size:05d}.pt"
+        if path.exists():
+            parts.append(torch.load(path))
+            continue
+        if served is None:
+            served = load_checkpoint(target_path, device).model
+        pieces: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+        for at in range(first, min(first + part_size, len(sequences)), chunk):
+            rows = sequences[at : at + chunk]
+            cache = served.new_cache(len(rows), rows.shape[1])
+            slots = [cache.allocate() for _ in range(len(rows))]
+            out = served(served.batch(cache, slots, rows.tolist()), cache, last_only=not top, capture=taps)
+            pieces[0].append(torch.cat([out.hidden[i] for i in taps], dim=-1).to(torch.bfloat16).cpu())
+            if top:
+                assert ids is not None
+                best = F.log_softmax(out.logits.float()[..., ids.to(out.logits.device)], dim=-1).topk(top, dim=-1)
+                pieces[1].append(best.indices.to(torch.int32).cpu())
+                pieces[2].append(best.values.to(torch.float16).cpu())
+        part = tuple(torch.cat(p) if p else None for p in pieces)
+        torch.save(part, path)
+        parts.append(part)
+        done = min(first + part_size, len(sequences))
+        rate = done * sequences.shape[1] / max(time.time() - started, 1e-9)
+        print(f"target outputs kept for {done}/{len(sequences)} sequences ({rate:.0f} tokens/s)", file=sys.stderr)
+    joined = [torch.cat([part[i] for part in parts]) if parts[0][i] is not None else None for i in range(3)]
+    return joined[0], joined[1], joined[2]
 
 
 def lr_at(step: float, steps: float, peak: float) -> float:
@@ -416,14 +475,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=at_least(0), default=8, help="held-out prompts served at the end (0: none)")
     parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the target and the drafter train (cpu, cuda, npu)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="train for this many seconds, the schedule running on the clock, instead of --steps",
+    )
+    parser.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="with --regenerate: compute the target's tapped hidden states once and keep them in --work",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.time_budget < math.inf:  # NaN too
+        parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
+    if args.keep_outputs and not args.regenerate:
+        parser.error("--keep-outputs needs --regenerate (the outputs of a fixed set of sequences are kept)")
     if not 0 <= args.short_blocks <= 1:
         parser.error(f"--short-blocks must be between 0 and 1, not {args.short_blocks}")
     if args.seq_len <= args.block:
         parser.error(f"--seq-len must be above --block ({args.block}), not {args.seq_len}")
 
     torch.manual_seed(args.seed)
-    target, data, held_files = training_data(args)
+    target, data, held_files = training_data(args, args.device)
     model = target.model
     if args.taps > model.config.num_layers:
         raise SystemExit(f"--taps {args.taps}: the target has {model.config.num_layers} layers to tap")
@@ -444,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
             args.seq_len - args.prompt_len,
             work / "greedy.pt",
             args.seed,
+            args.device,
         )
     reduced = draft.config.draft_vocab_size < model.config.vocab_size
     if reduced:
@@ -454,29 +530,61 @@ def main(argv: list[str] | None = None) -> None:
         if reduced:
             start.setdefault("d2t", draft.d2t)  # a drafter over the whole vocabulary keeps its weights
         draft.load_state_dict(deepened(start, draft))
+    kept = None
+    if args.keep_outputs:
+        assert sequences is not None
+        taps = "-".join(map(str, config.target_layer_ids))
+        folder = work / f"outputs-{len(sequences)}x{args.seq_len}-taps{taps}"
+        kept, _, _ = kept_outputs(args.target, sequences, config.target_layer_ids, folder, args.device)
+    draft.to(args.device)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
     step, losses = 0, []
+    trained_before = 0.0  # seconds, for --time-budget
     if resume.exists():
-        state = torch.load(resume, weights_only=False)
+        state = torch.load(resume, map_location=args.device, weights_only=False)
         resumed(lambda: (draft.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])), resume)
         step, losses = state["step"], state["losses"]
+        trained_before = state.get("seconds", 0.0)
         print(f"resuming at step {step}", file=sys.stderr)
     first_step = step
     rng = random.Random(args.seed * 1000 + step)
     generator = torch.Generator().manual_seed(args.seed * 1000 + step)
     started = time.time()
     draft.train()
-    while step < args.steps:
-        tokens = training_batch(args, data, sequences, rng)
+
+    def schedule() -> tuple[float, float]:
+        """Where training stands and where it ends: steps, or seconds with --time-budget."""
+        if args.time_budget:
+            return trained_before + time.time() - started, args.time_budget
+        return step, args.steps
+
+    finished = schedule()[0] >= schedule()[1]
+    while not finished:
+        if kept is not None:
+            assert sequences is not None
+            pick = torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])
+            tokens, kept_taps = sequences[pick], kept[pick].to(args.device)
+        else:
+            tokens, kept_taps = training_batch(args, data, sequences, rng), None
+        tokens = tokens.to(args.device)
         # With --regenerate, blocks start at the last prompt token or after: their labels are the target's.
         first_anchor = args.prompt_len - 1 if args.regenerate else 1
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = lr_at(*schedule(), args.lr)
         short = args.block > 2 and rng.random() < args.short_blocks
         size = rng.randint(2, args.block - 1) if short else args.block
         loss = block_loss(
-            draft, model, tokens, args.anchors, args.gamma, generator, first_anchor, args.regenerate > 0, size
+            draft,
+            model,
+            tokens,
+            args.anchors,
+            args.gamma,
+            generator,
+            first_anchor,
+            args.regenerate > 0,
+            size,
+            kept_taps,
         )
         optimizer.zero_grad()
         loss.backward()
@@ -484,20 +592,24 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         step += 1
         losses.append(finite(loss.item(), step))
-        if step % 10 == 0 or step == args.steps:
+        now, end = schedule()
+        finished = now >= end
+        if step % 10 == 0 or finished:
             rate = (time.time() - started) / (step - first_step)
             recent = sum(losses[-10:]) / len(losses[-10:])
-            print(f"step {step}/{args.steps} loss {recent:.3f} ({rate:.2f} s a step)", file=sys.stderr, flush=True)
-        if step % 100 == 0 or step == args.steps:
-            torch.save(
-                {"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "losses": losses},
-                resume,
-            )
-    draft.eval().requires_grad_(False)
+            total = "" if args.time_budget else f"/{args.steps}"
+            print(f"step {step}{total} loss {recent:.3f} ({rate:.2f} s a step)", file=sys.stderr, flush=True)
+        if step % 100 == 0 or finished:
+            state = {"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "losses": losses}
+            torch.save({**state, "seconds": trained_before + time.time() - started}, resume)
+    draft.cpu().eval().requires_grad_(False)
     save_dflash(draft, args.out, getattr(torch, args.save_dtype))
     report: dict = {
         "target": str(args.target),
-        "steps": args.steps,
+        "steps": step,
+        "time_budget": args.time_budget or None,
+        "device": args.device,
+        "kept_outputs": args.keep_outputs,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "anchors": args.anchors,

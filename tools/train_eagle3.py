@@ -18,9 +18,10 @@ times that plus W times the cross-entropy of its most likely token), weighted de
 schedule. The target's features are computed on the fly each step; with --keep-outputs N (and
 --regenerate) they are computed once, by the target as served, and kept in --work: the taps in
 bfloat16 and each position's N most likely draft ids with their log-probabilities (the KL is then
-taken over those N, renormalized). For a 30-layer target that is most of a step saved. With --regenerate N the data are N windows of --prompt-len
-training tokens each followed by the target's own greedy continuation to --seq-len (what the head
-meets when the target serves greedily), and chains start in the continuation; with
+taken over those N, renormalized). For a 30-layer target that is most of a step saved.
+With --regenerate N the data are N windows of --prompt-len training tokens each followed by the
+target's own greedy continuation to --seq-len (what the head meets when the target serves
+greedily), and chains start in the continuation; with
 --sampled-share S a share S of them are continued by sampling at --sample-temperature instead (what
 it meets when requests sample: a head trained on greedy text alone keeps fewer drafts there). With --draft-vocab N
 the head drafts only the N tokens most frequent in the training data (a smaller LM head, so a
@@ -59,6 +60,7 @@ from train_dflash import (  # noqa: E402  (tools/, beside this script)
     fits_target,
     frequent_tokens,
     held_out_acceptance,
+    kept_outputs,
     lr_at,
     resumed,
     run,
@@ -151,49 +153,6 @@ def target_outputs(head: Eagle3Model, target: Transformer, tokens: Tensor) -> tu
         assert logits is not None
         log_p = F.log_softmax(logits.float()[..., head.draft_to_target()], dim=-1)
     return torch.cat([taps[i] for i in head.taps], dim=-1).float(), log_p
-
-
-@torch.inference_mode()
-def cached_outputs(
-    target_path: Path, sequences: Tensor, head: Eagle3Model, top: int, folder: Path, device: str, chunk: int = 4
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`target_outputs` of every sequence, computed once by the target as served (the compiled
-    forward on a CPU, the file's weights as stored) and kept: the taps in bfloat16 [N, T, 3D], and
-    of each position's draft-vocabulary distribution only its `top` most likely ids (indices into
-    the draft vocabulary) and their log-probabilities. A 30-layer target's forward costs several
-    times the head's training step; read back, it costs nothing. Kept in `folder` a part at a
-    time, so an interrupted run picks up where it stopped."""
-    folder.mkdir(parents=True, exist_ok=True)
-    part_size, parts = 64, []
-    served = None
-    ids = head.draft_to_target().to(device)
-    started = time.time()
-    for first in range(0, len(sequences), part_size):
-        path = folder / f"part-{first // part_size:05d}.pt"
-        if path.exists():
-            parts.append(torch.load(path))
-            continue
-        if served is None:
-            served = load_checkpoint(target_path, device).model
-        pieces: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
-        for at in range(first, min(first + part_size, len(sequences)), chunk):
-            rows = sequences[at : at + chunk]
-            cache = served.new_cache(len(rows), rows.shape[1])
-            slots = [cache.allocate() for _ in range(len(rows))]
-            out = served(served.batch(cache, slots, rows.tolist()), cache, capture=head.taps)
-            log_p = F.log_softmax(out.logits.float()[..., ids], dim=-1)
-            best = log_p.topk(top, dim=-1)
-            pieces[0].append(torch.cat([out.hidden[i] for i in head.taps], dim=-1).to(torch.bfloat16).cpu())
-            pieces[1].append(best.indices.to(torch.int32).cpu())
-            pieces[2].append(best.values.to(torch.float16).cpu())
-        part = tuple(torch.cat(p) for p in pieces)
-        torch.save(part, path)
-        parts.append(part)
-        done = min(first + part_size, len(sequences))
-        rate = done * sequences.shape[1] / max(time.time() - started, 1e-9)
-        print(f"target outputs kept for {done}/{len(sequences)} sequences ({rate:.0f} tokens/s)", file=sys.stderr)
-    taps, best_ids, best_log_p = (torch.cat([part[i] for part in parts]) for i in range(3))
-    return taps, best_ids, best_log_p
 
 
 def dense_log_p(best_ids: Tensor, best_log_p: Tensor, vocab: int) -> Tensor:
@@ -386,7 +345,9 @@ def main(argv: list[str] | None = None) -> None:
         taps = "-".join(map(str, config.target_layer_ids))
         shape = f"{len(sequences)}x{args.seq_len}-taps{taps}-vocab{config.draft_vocab_size}"
         folder = work / f"outputs-{shape}-top{args.keep_outputs}"
-        kept = cached_outputs(args.target, sequences, head, args.keep_outputs, folder, args.device)
+        kept = kept_outputs(
+            args.target, sequences, head.taps, folder, args.device, head.draft_to_target(), args.keep_outputs
+        )
     head.to(args.device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01)
     resume = work / "state.pt"
