@@ -11,6 +11,7 @@ import torch
 
 from control.settings import EngineSettings
 from control.snapshot import ConfigSnapshot
+from engine import parallel
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
@@ -63,8 +64,12 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
     if build is not None:  # a first start on this machine: seconds of compiling, said as such
         with phase(f"compile the CPU kernels: {build}"):
             library()
-    with phase(f"load target {settings.target}"):
-        target = load_checkpoint(settings.target, settings.device, settings.dtype, weights=settings.weights)
+    if settings.tensor_parallel > 1:
+        with phase(f"start ranks 1..{settings.tensor_parallel - 1} and load target {settings.target} on each"):
+            target = sharded_target(settings)
+    else:
+        with phase(f"load target {settings.target}"):
+            target = load_checkpoint(settings.target, settings.device, settings.dtype, weights=settings.weights)
     draft = None
     if kinds & set(DRAFT_MODEL_KINDS):
         with phase(f"load draft {settings.draft}"):
@@ -83,6 +88,19 @@ def load_models(snapshot: ConfigSnapshot, phase: Phase = unreported, kinds: Coll
         with phase(f"load eagle3 {settings.eagle3}"):
             eagle3 = load_eagle3(settings.eagle3, target.model)
     return Models(target, draft, dflash, eagle3)
+
+
+def sharded_target(settings: EngineSettings) -> Checkpoint:
+    """Rank 0's share of the target, the other ranks started (engine/parallel.py) and joined."""
+    world = settings.tensor_parallel
+    dtype = None if settings.dtype == "auto" else settings.dtype
+    address = parallel.spawn(world, str(settings.target), settings.device, dtype, settings.weights)
+    parallel.init(0, world, address, torch.device(settings.device))
+    target = load_checkpoint(
+        settings.target, settings.device, settings.dtype, native_forward=False, weights=settings.weights
+    )
+    parallel.shard(target.model, 0, world)
+    return target
 
 
 def lookups(settings: EngineSettings) -> dict[str, int]:
@@ -134,6 +152,8 @@ def build_controller(
     batch = max_batch_size or settings.max_batch_size
     seq_len = max_seq_len or settings.max_seq_len
     drafter = build_drafter(settings, models, batch, seq_len)
+    if settings.tensor_parallel > 1:  # the other ranks allocate their share of the engine's cache
+        parallel.Leader.of(models.target.model).start(batch, seq_len)
     first, *others = required_k(snapshot)
     with phase(f"allocate caches, build runtime state k={first}"):
         engine = Engine(

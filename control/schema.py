@@ -136,6 +136,8 @@ SCHEMA: Mapping[str, Section] = {
         "max_k": Key("int", 32, "largest draft length k any runtime state may have", lo=1, hi=64),
         "threads": Key("int", 0, "threads of the compiled CPU forward; 0 = adapt between one and every usable"
                        " core", lo=0, hi=1024),
+        "tensor_parallel": Key("int", 1, "ranks (processes) the target is split across, each holding a share of"
+                               " its heads and MLP units; 1 = one process", lo=1, hi=64),
     }),
     # Each policy key's doc names the strategies that read it. The policy's defaults were chosen on
     # the tuning half of the workload suite (docs/benchmarks.md; config.toml says which).

@@ -26,6 +26,7 @@ class EngineSettings:
     max_seq_len: int
     max_k: int
     threads: int = 0
+    tensor_parallel: int = 1
     dflash: Path | None = None
     eagle3: Path | None = None
 

@@ -40,6 +40,7 @@ from daemon.notify import Notifier
 from daemon.reload import Reloader
 from daemon.startup import Startup
 from daemon.watch import watch_config
+from engine import parallel
 from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.loop import EngineLoop
 from engine.model.config import CheckpointError
@@ -68,6 +69,7 @@ class Daemon:
         self.reloader: Reloader | None = None  # once the engine is built: what SIGHUP reloads through
         self.starting: anyio.CancelScope | None = None  # the wait for the engine, cancelled by a stop signal
         self.reload_owed = False  # a SIGHUP came while starting: reload once serving
+        self.rank_lost = False  # a rank of a tensor-parallel target exited: the exit status says so
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; the exit status of the process."""
@@ -256,7 +258,9 @@ class Daemon:
         assert self.loop is not None and self.thread is not None
         self.loop.stop()
         await anyio.to_thread.run_sync(self.thread.join, 10.0)
-        if self.loop.error is not None:
+        if self.snapshot.engine.tensor_parallel > 1:  # the other ranks stop with this one
+            await anyio.to_thread.run_sync(parallel.shutdown, parallel.Leader.of(self.loop.engine.model))
+        if self.loop.error is not None or self.rank_lost:
             return 1
         log.info("stopped")
         return 0
@@ -285,6 +289,12 @@ class Daemon:
                     log.error("engine thread is not making progress: no watchdog ping", heartbeat_age_s=age)
             if self.thread is not None and not self.thread.is_alive():
                 log.error("engine thread died; stopping", error=repr(loop.error))
+                self.stopping.set()
+                return
+            lost = parallel.lost()
+            if lost is not None:  # idle or not, a group without one of its ranks cannot serve
+                log.error("a rank of the tensor-parallel group is gone; stopping", lost=lost)
+                self.rank_lost = True
                 self.stopping.set()
                 return
             await anyio.sleep(interval)

@@ -14,6 +14,7 @@ from control.bounded import clip
 from control.snapshot import effective
 from daemon.reload import Reloader, iso_time
 from daemon.startup import Startup
+from engine import parallel
 from engine.controller import FORCE_NEEDS_ADAPTING, Ack
 from engine.loop import EngineLoop
 
@@ -124,6 +125,8 @@ class AdminCommands:
             "mean_accepted_drafts": round(engine.mean_accepted_drafts, 4),
             "running": engine.running,
             "in_flight": self.loop.in_flight,
+            # the processes of ranks 1.. of a tensor-parallel target, which this daemon started
+            "ranks": parallel.followers(),
             "http": self.http,
             "uptime_s": round(time.time() - self.started, 3),
         }

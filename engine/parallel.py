@@ -20,8 +20,12 @@ PyTorch's operators.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
+import socket
+import subprocess
+import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -71,7 +75,10 @@ class RowParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.linear(x)
-        dist.all_reduce(y)
+        try:
+            dist.all_reduce(y)
+        except (RuntimeError, ValueError) as err:
+            raise RankLost(lost() or _first_line(err)) from None
         return y
 
 
@@ -151,24 +158,39 @@ class Plan:
         return max(len(t) for t in self.tokens) - 1
 
 
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else repr(err)
+
+
 def _send(message: object) -> object:
     box = [message]
     try:
         dist.broadcast_object_list(box, src=0)
     except (RuntimeError, ValueError) as err:  # gloo and NCCL say a peer is gone in their own words
-        raise RankLost(str(err).splitlines()[0] if str(err) else repr(err)) from None
+        raise RankLost(lost() or _first_line(err)) from None
     return box[0]
 
 
 class Leader:
     """Rank 0's side: the sharded target, whose every forward is sent to the other ranks first.
-    Used in place of the model (`Engine(..., model=...)` takes it through the checkpoint)."""
+    One per model (`Leader.of`); `start` tells the other ranks the cache an engine allocates."""
 
-    def __init__(self, model: Transformer, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(self, model: Transformer) -> None:
         self.model = model
         self.plans: list[Plan] = []  # what was sent, for whoever checks the ranks ran the same
-        _send(("start", max_batch_size, max_seq_len))
         model.register_forward_pre_hook(self._before, with_kwargs=True)
+
+    @classmethod
+    def of(cls, model: Transformer) -> Leader:
+        leader = getattr(model, "_leader", None)
+        if leader is None:
+            leader = cls(model)
+            model._leader = leader  # type: ignore[attr-defined]
+        return leader
+
+    def start(self, max_batch_size: int, max_seq_len: int) -> None:
+        """The other ranks allocate a cache of this shape (an engine is being built on it)."""
+        _send(("start", max_batch_size, max_seq_len))
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         batch, cache = (list(args) + [kwargs.get("batch"), kwargs.get("cache")])[:2]
@@ -190,17 +212,99 @@ class Leader:
 def follow(model: Transformer) -> list[Plan]:
     """The other ranks' side: run every forward rank 0 sends on this rank's share of `model`,
     until it says stop; returns what was run. A lost rank raises `RankLost`."""
-    start = _send(None)
-    assert isinstance(start, tuple) and start[0] == "start", start
-    cache: KVCache = model.new_cache(start[1], start[2])
+    cache: KVCache | None = None
     done: list[Plan] = []
     with torch.inference_mode():
         while True:
-            plan = _send(None)
-            if not isinstance(plan, Plan):
+            message = _send(None)
+            if isinstance(message, tuple) and message[0] == "start":
+                cache = model.new_cache(message[1], message[2])
+                continue
+            if not isinstance(message, Plan):
                 return done
-            for slot, length in zip(plan.slots, plan.lengths):
+            assert cache is not None, "a forward before any engine's start"
+            for slot, length in zip(message.slots, message.lengths):
                 cache.lengths[slot] = length
-            out: ForwardOutput = model(model.batch(cache, plan.slots, plan.tokens), cache, plan.last_only, plan.capture)
+            batch = model.batch(cache, message.slots, message.tokens)
+            out: ForwardOutput = model(batch, cache, message.last_only, message.capture)
             del out
-            done.append(plan)
+            done.append(message)
+
+
+# Rank 0's view of the ranks it started (`spawn`).
+_followers: list[subprocess.Popen] = []
+
+
+def spawn(world: int, target: str, device: str, dtype: str | None, weights: str) -> str:
+    """Start ranks 1 .. world - 1 of a group serving `target` (each a process running this
+    module) and return the address rank 0 joins them at."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    for rank in range(1, world):
+        command = [sys.executable, "-m", "engine.parallel", "--rank", str(rank), "--world", str(world)]
+        command += ["--address", address, "--target", target, "--device", device, "--weights", weights]
+        _followers.append(subprocess.Popen([*command, *(["--dtype", dtype] if dtype else [])]))
+    return address
+
+
+def followers() -> list[int]:
+    """The process ids of the ranks this process started, in rank order."""
+    return [p.pid for p in _followers]
+
+
+def lost() -> str | None:
+    """Which rank this process started has exited, if one has."""
+    for rank, process in enumerate(_followers, start=1):
+        if process.poll() is not None:
+            return f"rank {rank} exited with status {process.returncode}"
+    return None
+
+
+def shutdown(leader: Leader | None) -> None:
+    """Stop the ranks this process started and leave the group (at the end of serving)."""
+    try:
+        if leader is not None and lost() is None:
+            leader.stop()
+    except RankLost:
+        pass
+    close()
+    for process in _followers:
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank beyond rank 0: load the target, keep this rank's share, follow rank 0."""
+    parser = argparse.ArgumentParser(description="a rank of a tensor-parallel target (started by rank 0)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--weights", default="as_loaded")
+    args = parser.parse_args(argv)
+    from engine.checkpoint import load_checkpoint
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device(args.device)
+    try:
+        init(args.rank, args.world, args.address, device)
+        target = load_checkpoint(args.target, args.device, args.dtype, native_forward=False, weights=args.weights)
+        shard(target.model, args.rank, args.world)
+        follow(target.model)
+    except (RankLost, RuntimeError) as err:  # RuntimeError: the group could not be joined
+        log.error("rank %d: lost rank 0 (%s)", args.rank, _first_line(err))
+        return 1
+    close()
+    return 0
+
+
+if __name__ == "__main__":
+    # As engine.parallel, not __main__: the plans rank 0 sends are engine.parallel's classes.
+    from engine import parallel
+
+    sys.exit(parallel.main())

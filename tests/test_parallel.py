@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def rank_main(rank: int, address: str, batch_size: int, out: Path, hang: bool = 
             out.write_text(json.dumps([p.k for p in plans]))
             close()
             return
-        leader = Leader(target.model, batch_size, MAX_SEQ_LEN)
+        leader = Leader.of(target.model)
+        leader.start(batch_size, MAX_SEQ_LEN)
         draft = load_checkpoint(DEFAULT_DRAFT, native_forward=False)
         engine = Engine(target, DraftModelDrafter(draft, batch_size, MAX_SEQ_LEN), batch_size, MAX_SEQ_LEN, STEPS)
         rng = random.Random(batch_size)
@@ -158,3 +160,48 @@ def test_killing_one_rank_ends_the_other_with_a_line_naming_it(tmp_path, killed)
     _, err = survivor.communicate(timeout=30)
     assert time.monotonic() - at < 10
     assert survivor.returncode != 0 and f"rank {1 - killed}: lost rank {killed}" in err, err[-2000:]
+
+
+def test_the_daemon_serves_a_target_split_across_two_ranks_and_stops_when_one_is_lost():
+    """[engine] tensor_parallel = 2: the daemon starts rank 1 itself, serves greedy completions
+    equal to the whole model's output, stops it cleanly with itself, and stops with a non-zero
+    status and a line naming the rank when that rank is killed."""
+    import httpx
+
+    from tests.test_daemon import start_daemon, stop_daemon
+
+    target = load_checkpoint(DEFAULT_TARGET, native_forward=False)
+    prompt = "def add(a, b):"
+    ids = target.tokenizer.encode(prompt).ids
+    (expected,) = generate(target, [ids], SamplingParams(max_tokens=16, ignore_eos=True))
+    daemon = start_daemon(Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")), engine="tensor_parallel = 2")
+    try:
+        (rank,) = daemon.status()["ranks"]
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{daemon.url}/v1/completions", json=body, timeout=120).json()
+        assert reply["choices"][0]["text"] == target.tokenizer.decode(expected.tokens)
+    finally:
+        stop_daemon(daemon)
+    assert daemon.process.returncode == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{rank}") and "Z" not in _state(rank):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{rank}") or "Z" in _state(rank)  # rank 1 ended with the daemon
+
+    daemon = start_daemon(Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")), engine="tensor_parallel = 2")
+    try:
+        (rank,) = daemon.status()["ranks"]
+        os.kill(rank, signal.SIGKILL)
+        code = daemon.process.wait(15)
+        assert code != 0
+        lost = daemon.events("a rank of the tensor-parallel group is gone; stopping")
+        assert lost and lost[0]["lost"].startswith("rank 1 exited")
+    finally:
+        stop_daemon(daemon)
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]
+    except OSError:
+        return "gone"
