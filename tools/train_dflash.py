@@ -365,6 +365,50 @@ def kept_outputs(
     return joined[0], joined[1], joined[2]
 
 
+def add_run_options(parser: argparse.ArgumentParser, trains: str) -> None:
+    """The options every training script takes: its data, the held-out prompts served at the
+    end, where it resumes from, its seed, device and time budget."""
+    parser.add_argument("--data", type=Path, nargs="*", default=None)
+    parser.add_argument("--held-out", type=Path, nargs="*", default=None)
+    parser.add_argument("--prompts", type=at_least(0), default=8, help="held-out prompts served at the end (0: none)")
+    parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help=f"where the target and {trains} train (cpu, cuda, npu)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="train for this many seconds, the schedule running on the clock, instead of --steps",
+    )
+
+
+def check_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not 0 <= args.time_budget < math.inf:  # NaN too
+        parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
+    if getattr(args, "keep_outputs", 0) and not args.regenerate:
+        parser.error("--keep-outputs needs --regenerate (the outputs of a fixed set of sequences are kept)")
+
+
+class Schedule:
+    """Where training stands and where it ends: steps, or seconds with --time-budget (counting
+    the seconds of the runs it resumes)."""
+
+    def __init__(self, steps: int, time_budget: float, trained_before: float = 0.0) -> None:
+        self.steps, self.time_budget, self.trained_before = steps, time_budget, trained_before
+        self.started = time.time()
+
+    def seconds(self) -> float:
+        """Seconds trained, this run's and those before it."""
+        return self.trained_before + time.time() - self.started
+
+    def at(self, step: int) -> tuple[float, float]:
+        return (self.seconds(), self.time_budget) if self.time_budget else (step, self.steps)
+
+    def finished(self, step: int) -> bool:
+        now, end = self.at(step)
+        return now >= end
+
+
 def lr_at(step: float, steps: float, peak: float) -> float:
     """Linear warm-up over the first 4% of `steps`, then cosine decay; `step` may be seconds of a time budget."""
     warmup = max(1, int(0.04 * steps))
@@ -470,28 +514,14 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="draft only the N ids most frequent in the training sequences (0: the whole vocabulary)",
     )
-    parser.add_argument("--data", type=Path, nargs="*", default=None)
-    parser.add_argument("--held-out", type=Path, nargs="*", default=None)
-    parser.add_argument("--prompts", type=at_least(0), default=8, help="held-out prompts served at the end (0: none)")
-    parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="where the target and the drafter train (cpu, cuda, npu)")
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=0.0,
-        help="train for this many seconds, the schedule running on the clock, instead of --steps",
-    )
+    add_run_options(parser, "the drafter")
     parser.add_argument(
         "--keep-outputs",
         action="store_true",
         help="with --regenerate: compute the target's tapped hidden states once and keep them in --work",
     )
     args = parser.parse_args(argv)
-    if not 0 <= args.time_budget < math.inf:  # NaN too
-        parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
-    if args.keep_outputs and not args.regenerate:
-        parser.error("--keep-outputs needs --regenerate (the outputs of a fixed set of sequences are kept)")
+    check_run_options(parser, args)
     if not 0 <= args.short_blocks <= 1:
         parser.error(f"--short-blocks must be between 0 and 1, not {args.short_blocks}")
     if args.seq_len <= args.block:
@@ -550,16 +580,10 @@ def main(argv: list[str] | None = None) -> None:
     first_step = step
     rng = random.Random(args.seed * 1000 + step)
     generator = torch.Generator().manual_seed(args.seed * 1000 + step)
-    started = time.time()
+    schedule = Schedule(args.steps, args.time_budget, trained_before)
+    started = schedule.started
     draft.train()
-
-    def schedule() -> tuple[float, float]:
-        """Where training stands and where it ends: steps, or seconds with --time-budget."""
-        if args.time_budget:
-            return trained_before + time.time() - started, args.time_budget
-        return step, args.steps
-
-    finished = schedule()[0] >= schedule()[1]
+    finished = schedule.finished(step)
     while not finished:
         if kept is not None:
             assert sequences is not None
@@ -571,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
         # With --regenerate, blocks start at the last prompt token or after: their labels are the target's.
         first_anchor = args.prompt_len - 1 if args.regenerate else 1
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(*schedule(), args.lr)
+            group["lr"] = lr_at(*schedule.at(step), args.lr)
         short = args.block > 2 and rng.random() < args.short_blocks
         size = rng.randint(2, args.block - 1) if short else args.block
         loss = block_loss(
@@ -592,8 +616,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         step += 1
         losses.append(finite(loss.item(), step))
-        now, end = schedule()
-        finished = now >= end
+        finished = schedule.finished(step)
         if step % 10 == 0 or finished:
             rate = (time.time() - started) / (step - first_step)
             recent = sum(losses[-10:]) / len(losses[-10:])
@@ -601,7 +624,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step}{total} loss {recent:.3f} ({rate:.2f} s a step)", file=sys.stderr, flush=True)
         if step % 100 == 0 or finished:
             state = {"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "losses": losses}
-            torch.save({**state, "seconds": trained_before + time.time() - started}, resume)
+            torch.save({**state, "seconds": schedule.seconds()}, resume)
     draft.cpu().eval().requires_grad_(False)
     save_dflash(draft, args.out, getattr(torch, args.save_dtype))
     report: dict = {

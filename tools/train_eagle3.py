@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -56,6 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_dflash import (  # noqa: E402  (tools/, beside this script)
+    Schedule,
+    add_run_options,
+    check_run_options,
     finite,
     fits_target,
     frequent_tokens,
@@ -246,18 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--regenerate", type=at_least(0), default=0)
     parser.add_argument("--prompt-len", type=at_least(1), default=96)
     parser.add_argument("--init", type=Path, default=None, help="start from this head's weights (same shape)")
-    parser.add_argument("--data", type=Path, nargs="*", default=None)
-    parser.add_argument("--held-out", type=Path, nargs="*", default=None)
-    parser.add_argument("--prompts", type=at_least(0), default=8, help="held-out prompts served at the end (0: none)")
-    parser.add_argument("--work", type=Path, default=None, help="resumable checkpoints (default: OUT/work)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="where the target and the head train (cpu, cuda, npu)")
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=0.0,
-        help="train for this many seconds, the schedule running on the clock, instead of --steps",
-    )
+    add_run_options(parser, "the head")
     parser.add_argument(
         "--intermediate-size", type=at_least(0), default=0, help="the head's MLP width (default: the target's)"
     )
@@ -278,12 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         " position's distribution as its N most likely draft ids (0: compute them every step)",
     )
     args = parser.parse_args(argv)
-    if args.keep_outputs and not args.regenerate:
-        parser.error("--keep-outputs needs --regenerate (the outputs of a fixed set of sequences are kept)")
     if not 0 <= args.greedy_weight <= 1:
         parser.error(f"--greedy-weight must be between 0 and 1, not {args.greedy_weight}")
-    if not 0 <= args.time_budget < math.inf:  # NaN too
-        parser.error(f"--time-budget must be 0 (train --steps) or a number of seconds, not {args.time_budget}")
+    check_run_options(parser, args)
     if not 0 <= args.sampled_share <= 1:
         parser.error(f"--sampled-share must be between 0 and 1, not {args.sampled_share}")
     if args.seq_len <= args.unroll + 1:
@@ -361,18 +349,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"resuming at step {step}", file=sys.stderr)
     rng = random.Random(args.seed * 1000 + step)
     generator = torch.Generator().manual_seed(args.seed * 1000 + step)
-    started = time.time()
+    schedule = Schedule(args.steps, args.time_budget, trained_before)
+    started = schedule.started
     head.train()
-
-    def schedule() -> tuple[float, float]:
-        """Where training stands and where it ends: steps, or seconds with --time-budget."""
-        if args.time_budget:
-            return trained_before + time.time() - started, args.time_budget
-        return step, args.steps
-
     first_step = step
-    now, end = schedule()
-    finished = now >= end
+    finished = schedule.finished(step)
     while not finished:
         if kept is not None:
             pick = torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])
@@ -385,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         # With --regenerate, chains start at the last prompt token or after: the target's own greedy text.
         first_chain = args.prompt_len - 1 if args.regenerate else 0
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(*schedule(), args.lr)
+            group["lr"] = lr_at(*schedule.at(step), args.lr)
         loss, step_losses = ttt_loss(
             head,
             model,
@@ -406,8 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         losses.append(finite(loss.item(), step))
         per_step.append(step_losses)
-        now, end = schedule()
-        finished = now >= end
+        finished = schedule.finished(step)
         if step % 10 == 0 or finished:
             rate = (time.time() - started) / (step - first_step)
             recent = sum(losses[-10:]) / len(losses[-10:])
@@ -427,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
                     "step": step,
                     "losses": losses,
                     "per_step": per_step,
-                    "seconds": trained_before + time.time() - started,
+                    "seconds": schedule.seconds(),
                 },
                 resume,
             )
