@@ -15,6 +15,7 @@ from engine.model.config import (
     CheckpointError,
     ModelConfig,
     inspect_checkpoint,
+    split_problem,
     tokenizer_vocabulary,
 )
 
@@ -45,6 +46,10 @@ def model_issues(values: Mapping[str, Any]) -> list[ConfigIssue]:
                 _inspect_drafter(name, path, found["engine.target"][1])
             except CheckpointError as err:
                 issues.append(ConfigIssue(name, str(err)))
+    ranks = values.get("engine.tensor_parallel") or 1
+    problem = split_problem(found["engine.target"][1], ranks) if "engine.target" in found and ranks > 1 else None
+    if problem:
+        issues.append(ConfigIssue("engine.tensor_parallel", f"{problem} (the target {values['engine.target']})"))
     if len(found) == 2:
         (_, target_config, target_vocabulary), (draft, draft_config, draft_vocabulary) = found.values()
         same_vocabulary = draft_vocabulary() == target_vocabulary()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engine.model.config import split_problem
 from engine.model.kv_cache import KVCache
 from engine.model.layers import Linear
 from engine.model.transformer import ForwardBatch, ForwardOutput, Transformer
@@ -52,8 +53,19 @@ def backend_name(device: torch.device) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Where rank `rank` runs when the group runs on `device`: each rank its own accelerator
+    (rank r on the r-th after `device`'s index), every rank on the CPU."""
+    if device == "cpu":
+        return device
+    kind, _, index = device.partition(":")
+    return f"{kind}:{int(index or 0) + rank}"
+
+
 def init(rank: int, world: int, address: str, device: torch.device) -> None:
     """Join the group of `world` ranks at `address` ("HOST:PORT", rank 0 listening)."""
+    if device.type == "cuda":  # NCCL's collectives run on the current device
+        torch.cuda.set_device(device)
     host, port = address.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world, rank == 0, timeout=TIMEOUT)
     dist.init_process_group(backend_name(device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
@@ -109,8 +121,9 @@ def shard(model: Transformer, rank: int, world: int) -> None:
     """Keep rank `rank`'s share of `model`'s layers (in place), as the module docstring says."""
     config = model.config
     heads, kv_heads, dim, inter = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
-    if heads % world or kv_heads % world or inter % world:
-        raise ValueError(f"{world} ranks cannot share {heads} heads, {kv_heads} KV heads and {inter} MLP units evenly")
+    problem = split_problem(config, world)
+    if problem:
+        raise ValueError(problem)
     if model.native is not None:
         raise ValueError("a sharded model runs on PyTorch's operators: load it with native_forward=False")
     h, kv, units = heads // world, kv_heads // world, inter // world
@@ -290,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.checkpoint import load_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    device = torch.device(args.device)
+    device = rank_device(args.device, args.rank)
     try:
-        init(args.rank, args.world, args.address, device)
-        target = load_checkpoint(args.target, args.device, args.dtype, native_forward=False, weights=args.weights)
+        init(args.rank, args.world, args.address, torch.device(device))
+        target = load_checkpoint(args.target, device, args.dtype, native_forward=False, weights=args.weights)
         shard(target.model, args.rank, args.world)
         follow(target.model)
     except (RankLost, RuntimeError) as err:  # RuntimeError: the group could not be joined

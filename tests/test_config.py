@@ -555,6 +555,16 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
         load_config(write(tmp_path, text), check_models=True)
 
 
+def test_a_target_the_ranks_cannot_share_evenly_is_refused_by_the_check(tmp_path):
+    """tensor_parallel must divide the target's heads, KV heads and MLP units (6, 2, 1024 here):
+    a config check says so in one line, before any rank is started."""
+    target = ROOT / "models" / "target"
+    text = f'[engine]\ntarget = "{target}"\ndrafter = "ngram"\ntensor_parallel = 4\n'
+    with pytest.raises(ConfigError, match="engine.tensor_parallel: 4 ranks cannot share 6 heads, 2 KV heads"):
+        load_config(write(tmp_path, text), check_models=True)
+    load_config(write(tmp_path, text.replace("= 4", "= 2")), check_models=True)
+
+
 def test_a_huge_value_is_echoed_by_a_short_prefix_and_its_size(tmp_path):
     huge = "x" * 10_000_000
     issues = issues_of(tmp_path, f'[adaptive]\nstrategy = "{huge}"\n[engine]\ndevice = "{huge}"\n')

@@ -304,6 +304,15 @@ class DFlashConfig:
             raise CheckpointError(f"{source}: not a DFlash config ({type(err).__name__}: {err})") from None
 
 
+def split_problem(config: ModelConfig, ranks: int) -> str | None:
+    """Why `ranks` ranks cannot share a target of this shape (each takes an equal share of its
+    heads, KV heads and MLP units: engine/parallel.py), or None."""
+    heads, kv_heads, units = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if heads % ranks or kv_heads % ranks or units % ranks:
+        return f"{ranks} ranks cannot share {heads} heads, {kv_heads} KV heads and {units} MLP units evenly"
+    return None
+
+
 def dflash_problems(config: DFlashConfig, target: ModelConfig) -> list[str]:
     """Each way a DFlash drafter does not fit a target, in words."""
     problems = []
