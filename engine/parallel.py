@@ -190,8 +190,14 @@ class Leader:
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
-        self.plans: list[Plan] = []  # what was sent, for whoever checks the ranks ran the same
+        # What was sent, where someone asked to check that the ranks ran the same (`keep`): a
+        # daemon sends a plan every round for as long as it runs.
+        self.plans: list[Plan] | None = None
         model.register_forward_pre_hook(self._before, with_kwargs=True)
+
+    def keep(self) -> None:
+        """Keep every plan sent from now on, in `plans`."""
+        self.plans = []
 
     @classmethod
     def of(cls, model: Transformer) -> Leader:
@@ -215,16 +221,18 @@ class Leader:
             slots = batch.slot_list
             tokens = [row[:n] for row, n in zip(batch.tokens.tolist(), batch.num_new)]
         plan = Plan(slots, [cache.lengths[s] for s in slots], tokens, bool(last_only), capture)
-        self.plans.append(plan)
+        if self.plans is not None:
+            self.plans.append(plan)
         _send(plan)
 
     def stop(self) -> None:
         _send(("stop",))
 
 
-def follow(model: Transformer) -> list[Plan]:
+def follow(model: Transformer, keep: bool = False) -> list[Plan]:
     """The other ranks' side: run every forward rank 0 sends on this rank's share of `model`,
-    until it says stop; returns what was run. A lost rank raises `RankLost`."""
+    until it says stop; returns what was run where asked to `keep` it (else nothing). A lost
+    rank raises `RankLost`."""
     cache: KVCache | None = None
     done: list[Plan] = []
     with torch.inference_mode():
@@ -241,7 +249,8 @@ def follow(model: Transformer) -> list[Plan]:
             batch = model.batch(cache, message.slots, message.tokens)
             out: ForwardOutput = model(batch, cache, message.last_only, message.capture)
             del out
-            done.append(message)
+            if keep:
+                done.append(message)
 
 
 # Rank 0's view of the ranks it started (`spawn`).

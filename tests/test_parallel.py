@@ -49,11 +49,12 @@ def rank_main(rank: int, address: str, batch_size: int, out: Path, hang: bool = 
     shard(target.model, rank, 2)
     try:
         if rank:
-            plans = follow(target.model)
+            plans = follow(target.model, keep=True)
             out.write_text(json.dumps([p.k for p in plans]))
             close()
             return
         leader = Leader.of(target.model)
+        leader.keep()
         leader.start(batch_size, MAX_SEQ_LEN)
         draft = load_checkpoint(DEFAULT_DRAFT, native_forward=False)
         engine = Engine(target, DraftModelDrafter(draft, batch_size, MAX_SEQ_LEN), batch_size, MAX_SEQ_LEN, STEPS)
@@ -79,7 +80,11 @@ def rank_main(rank: int, address: str, batch_size: int, out: Path, hang: bool = 
         close()
         out.write_text(
             json.dumps(
-                {"outputs": [outputs[r.id] for r in requests], "plans": [p.k for p in leader.plans], "rounds": rounds}
+                {
+                    "outputs": [outputs[r.id] for r in requests],
+                    "plans": [p.k for p in leader.plans or []],
+                    "rounds": rounds,
+                }
             )
         )
     except RankLost as err:
