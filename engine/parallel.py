@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def init(rank: int, world: int, address: str, device: torch.device) -> None:
     if device.type == "cuda":  # NCCL's collectives run on the current device
         torch.cuda.set_device(device)
     host, port = address.rsplit(":", 1)
+    if host == "127.0.0.1" and sys.platform == "linux":  # ranks of one machine: gloo on loopback, not
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # on whatever the host name resolves to
     store = dist.TCPStore(host, int(port), world, rank == 0, timeout=TIMEOUT)
     dist.init_process_group(backend_name(device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
 
