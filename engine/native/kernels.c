@@ -289,9 +289,11 @@ static const void *panel_at(const Linear *w, int p) {
  * prompt's, not a verify's) is widened once into `widened` ([k][PANEL] float32, the thread's own),
  * the same values a tile would widen: a grouped panel's dequantized, an int8 panel's with a scale
  * per output still unscaled (the tile scales its sums either way). */
+static inline int panel_format(const Linear *w, int rows) { return rows <= 5 * NARROW_TILE_ROWS ? w->format : F32; }
+
 static const void *panel_for(const Linear *w, int p, int rows, float *widened, int *format) {
     const void *panel = panel_at(w, p);
-    *format = rows <= 5 * NARROW_TILE_ROWS ? w->format : F32;
+    *format = panel_format(w, rows);
     if (w->format == F32 || *format != F32) return panel;
     const Groups g = groups_at(w, p);
     float wide[2 * PANEL];
@@ -338,27 +340,31 @@ static void embed_row(const Model *m, int64_t token, float *out) {
 }
 
 /* y[m] (+)= x[m] @ w.T (+ bias) for m < rows; y_row(m) = y + (index ? index[m] : m) * ldy.
- * Called by every thread of the team: panels are shared out, and the team waits at the end. */
+ * Called by every thread of the team, which waits at the end. The work is shared out as (panel,
+ * tile of rows) pairs in panel order: a prompt's 9 panels (a 576-wide output) go 4.5 and 4.5 to
+ * two threads rather than 5 and 4, and a thread widens each panel it touches once. Every output
+ * is still one tile's, with the rows tiled as before, so the values do not change. */
 static void linear(const float *x, int rows, const Linear *w, float *y, int64_t ldy, const int64_t *index,
                    int accumulate, float *widened) {
     const int panels = (w->n + PANEL - 1) / PANEL;
+    const int step = tile_depth(panel_format(w, rows));
+    const int tiles = (rows + step - 1) / step;
+    int held = -1, format = w->format; /* the panel this thread has at hand */
+    const void *panel = NULL;
 #pragma omp for schedule(static)
-    for (int p = 0; p < panels; p++) {
-        int format;
-        const void *panel = panel_for(w, p, rows, widened, &format);
+    for (int item = 0; item < panels * tiles; item++) {
+        const int p = item / tiles, m0 = (item % tiles) * step;
+        if (p != held) panel = panel_for(w, p, rows, widened, &format), held = p;
         const Groups g = groups_at(w, p);
         const int n0 = p * PANEL;
         const int columns = w->n - n0 < PANEL ? w->n - n0 : PANEL;
         const float *bias = w->bias ? w->bias + n0 : NULL;
         const float *scale = w->scale && !w->group ? w->scale + n0 : NULL; /* a scale per output */
-        const int step = tile_depth(format);
-        for (int m0 = 0; m0 < rows; m0 += step) {
-            const int mr = rows - m0 < step ? rows - m0 : step;
-            float *out[NARROW_TILE_ROWS];
-            for (int m = 0; m < mr; m++) out[m] = y + (index ? index[m0 + m] : m0 + m) * ldy + n0;
-            tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, &g, scale, bias, columns, out,
-                      accumulate);
-        }
+        const int mr = rows - m0 < step ? rows - m0 : step;
+        float *out[NARROW_TILE_ROWS];
+        for (int m = 0; m < mr; m++) out[m] = y + (index ? index[m0 + m] : m0 + m) * ldy + n0;
+        tile_rows(mr, format, w->k, x + (int64_t)m0 * w->k, w->k, panel, PANEL, &g, scale, bias, columns, out,
+                  accumulate);
     }
 }
 
