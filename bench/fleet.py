@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import httpx
 from bench.soak import ROOT, Case, Tally, cases, client, launch, start
 from control.arguments import above_zero, at_least
 from control.ctl import request
+from engine.parallel import free_port
 
 ROUTER_ENV = "ADASPEC_ROUTER"  # where sglang-router is, where it is not on PATH (.ci/run sets it)
 
@@ -63,19 +63,13 @@ class Replica:
         return request(self.socket, "status", timeout=10)["result"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_router(router: str, replicas: list[Replica], folder: Path) -> tuple[subprocess.Popen, str, str]:
-    """sglang-router in front of `replicas`, once it serves a request: its process, its URL and
-    its Prometheus URL."""
+def start_router(router: str, workers: list[str], folder: Path) -> tuple[subprocess.Popen, str, str]:
+    """sglang-router in front of the daemons at `workers` (their URLs), logging to
+    `folder`/router.log, once it serves a request: its process, its URL and its Prometheus URL."""
     port, metrics = free_port(), free_port()
     log = (folder / "router.log").open("w")
     command = [router, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
-    command += ["--worker-urls", *(r.url for r in replicas), "--prometheus-port", str(metrics)]
+    command += ["--worker-urls", *workers, "--prometheus-port", str(metrics)]
     command += ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -227,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         baseline_seconds = args.seconds / 3
         alone = load(replicas[0].address, all_cases, args.clients, baseline_seconds, args.seed)
-        router, url, metrics_url = start_router(args.router, replicas, folders[0])
+        router, url, metrics_url = start_router(args.router, [r.url for r in replicas], folders[0])
         before = retries(metrics_url)
         host, port = url.removeprefix("http://").rsplit(":", 1)
         steering = Steering(replicas, args.seconds)

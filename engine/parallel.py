@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
 import os
 import socket
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from engine.model.config import split_problem
 from engine.model.kv_cache import KVCache
 from engine.model.layers import Linear
-from engine.model.transformer import ForwardBatch, ForwardOutput, Transformer
+from engine.model.transformer import ForwardBatch, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,11 @@ class RowParallel(nn.Module):
     """A Linear holding this rank's columns of the input: its output is a partial sum, added up
     over the ranks. A bias is added by rank 0 alone, so that it counts once."""
 
-    def __init__(self, linear: Linear) -> None:
+    def __init__(self, linear: Linear, rank: int, columns: tuple[int, int]) -> None:
         super().__init__()
+        _keep(linear, columns=columns)
+        if linear.bias is not None and rank:
+            linear.bias.data.zero_()
         self.linear = linear
 
     def forward(self, x: Tensor) -> Tensor:
@@ -141,19 +145,13 @@ def shard(model: Transformer, rank: int, world: int) -> None:
                 (v0 + rank * kv * dim, v0 + (rank + 1) * kv * dim),
             ],
         )
-        _keep(attention.o_proj, columns=(rank * h * dim, (rank + 1) * h * dim))
-        if attention.o_proj.bias is not None and rank:
-            attention.o_proj.bias.data.zero_()
-        attention.o_proj = RowParallel(attention.o_proj)
+        attention.o_proj = RowParallel(attention.o_proj, rank, (rank * h * dim, (rank + 1) * h * dim))
         attention.num_heads, attention.num_kv_heads = h, kv
         attention.q_size, attention.kv_size = h * dim, kv * dim
         _keep(
             mlp.gate_up, rows=[(rank * units, (rank + 1) * units), (inter + rank * units, inter + (rank + 1) * units)]
         )
-        _keep(mlp.down_proj, columns=(rank * units, (rank + 1) * units))
-        if mlp.down_proj.bias is not None and rank:
-            mlp.down_proj.bias.data.zero_()
-        mlp.down_proj = RowParallel(mlp.down_proj)
+        mlp.down_proj = RowParallel(mlp.down_proj, rank, (rank * units, (rank + 1) * units))
     # The cache holds this rank's KV heads; the config says what one rank runs.
     model.config = dataclasses.replace(config, num_heads=h, num_kv_heads=kv, intermediate_size=units)
 
@@ -196,6 +194,7 @@ class Leader:
         # What was sent, where someone asked to check that the ranks ran the same (`keep`): a
         # daemon sends a plan every round for as long as it runs.
         self.plans: list[Plan] | None = None
+        self.signature = inspect.signature(model.forward)  # how a forward's arguments are named
         model.register_forward_pre_hook(self._before, with_kwargs=True)
 
     def keep(self) -> None:
@@ -215,9 +214,10 @@ class Leader:
         _send(("start", max_batch_size, max_seq_len))
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        batch, cache = (list(args) + [kwargs.get("batch"), kwargs.get("cache")])[:2]
-        last_only = kwargs.get("last_only", args[2] if len(args) > 2 else False)
-        capture = tuple(kwargs.get("capture", args[3] if len(args) > 3 else ()))
+        call = self.signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        batch, cache = call.arguments["batch"], call.arguments["cache"]
+        last_only, capture = call.arguments["last_only"], tuple(call.arguments["capture"])
         if not isinstance(batch, ForwardBatch):  # a TokenBatch: rows as the caller gave them
             slots, tokens = list(batch.slots), [list(t) for t in batch.new_tokens]
         else:
@@ -249,9 +249,7 @@ def follow(model: Transformer, keep: bool = False) -> list[Plan]:
             assert cache is not None, "a forward before any engine's start"
             for slot, length in zip(message.slots, message.lengths):
                 cache.lengths[slot] = length
-            batch = model.batch(cache, message.slots, message.tokens)
-            out: ForwardOutput = model(batch, cache, message.last_only, message.capture)
-            del out
+            model(model.batch(cache, message.slots, message.tokens), cache, message.last_only, message.capture)
             if keep:
                 done.append(message)
 
@@ -260,12 +258,17 @@ def follow(model: Transformer, keep: bool = False) -> list[Plan]:
 _followers: list[subprocess.Popen] = []
 
 
+def free_port() -> int:
+    """A TCP port of this machine's loopback that nothing listens on (now)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def spawn(world: int, target: str, device: str, dtype: str | None, weights: str) -> str:
     """Start ranks 1 .. world - 1 of a group serving `target` (each a process running this
     module) and return the address rank 0 joins them at."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     for rank in range(1, world):
         command = [sys.executable, "-m", "engine.parallel", "--rank", str(rank), "--world", str(world)]
         command += ["--address", address, "--target", target, "--device", device, "--weights", weights]

@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,19 +20,13 @@ from engine.checkpoint import load_checkpoint
 from engine.core import Engine
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.generate import generate
-from engine.parallel import Plan, shard
+from engine.parallel import Plan, free_port, shard
 from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 9, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 8, 9], [20, 21, 22]]
 MAX_SEQ_LEN, MAX_TOKENS, STEPS = 128, 32, (0, 1, 2, 3, 5)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def rank_main(rank: int, address: str, batch_size: int, out: Path, hang: bool = False, adaptive: bool = False) -> None:

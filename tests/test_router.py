@@ -8,12 +8,10 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.fleet import start_router
 from tests.conftest import ROOT
 from tests.test_daemon import Daemon, start_daemon, stop_daemon
 
@@ -28,12 +27,6 @@ ROUTER = os.environ.get("ADASPEC_ROUTER") or shutil.which("sglang-router")
 pytestmark = pytest.mark.skipif(ROUTER is None, reason="sglang-router is not installed (ADASPEC_ROUTER names it)")
 
 PROMPTS = ["def add(a, b):", "import os\n\n\ndef main(", "class Stack:\n    def push(self, item):"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def complete(url: str, prompt: str, timeout: float = 60.0) -> httpx.Response:
@@ -47,27 +40,11 @@ def fleet() -> Iterator[tuple[list[Daemon], str, Path]]:
     folders = [Path(tempfile.mkdtemp(prefix="adaspecd-", dir="/tmp")) for _ in range(2)]
     daemons = [start_daemon(folder) for folder in folders]
     assert [m["id"] for m in httpx.get(f"{daemons[0].url}/v1/models").json()["data"]] == ["target"]
-    port, log = free_port(), folders[0] / "router.log"
     assert ROUTER is not None
-    router = subprocess.Popen(
-        [ROUTER, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
-        + ["--worker-urls", *(d.url for d in daemons), "--prometheus-port", str(free_port())]
-        + ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    # Once it serves: it takes its workers in as each answers its health check.
+    router, url, _ = start_router(ROUTER, [d.url for d in daemons], folders[0])
+    log = folders[0] / "router.log"
     try:
-        deadline = time.monotonic() + 90
-        while True:  # the router takes its workers in once each answers its health check
-            assert router.poll() is None, log.read_text()[-3000:]
-            try:
-                if complete(url, PROMPTS[0], timeout=10).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the router never served:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
         yield daemons, url, log
     finally:
         router.send_signal(signal.SIGTERM)

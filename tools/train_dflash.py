@@ -166,13 +166,19 @@ def frequent_tokens(tokens: torch.Tensor, count: int) -> torch.Tensor:
     return torch.bincount(tokens.flatten(), minlength=count).topk(count).indices.sort().values
 
 
+def picks(args: argparse.Namespace, sequences: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """--batch indices of regenerated sequences, drawn at random (what was kept of them is read
+    at the same indices)."""
+    return torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])
+
+
 def training_batch(
     args: argparse.Namespace, data: torch.Tensor, sequences: torch.Tensor | None, rng: random.Random
 ) -> torch.Tensor:
     """--batch sequences [batch, --seq-len]: regenerated ones drawn at random, or, without them,
     windows of the training tokens."""
     if sequences is not None:
-        return sequences[torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])]
+        return sequences[picks(args, sequences, rng)]
     starts = [rng.randrange(0, len(data) - args.seq_len) for _ in range(args.batch)]
     return torch.stack([data[s : s + args.seq_len] for s in starts])
 
@@ -587,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     while not finished:
         if kept is not None:
             assert sequences is not None
-            pick = torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])
+            pick = picks(args, sequences, rng)
             tokens, kept_taps = sequences[pick], kept[pick].to(args.device)
         else:
             tokens, kept_taps = training_batch(args, data, sequences, rng), None

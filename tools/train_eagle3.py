@@ -64,6 +64,7 @@ from train_dflash import (  # noqa: E402  (tools/, beside this script)
     held_out_acceptance,
     kept_outputs,
     lr_at,
+    picks,
     resumed,
     run,
     served_length,
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     finished = schedule.finished(step)
     while not finished:
         if kept is not None:
-            pick = torch.tensor([rng.randrange(len(sequences)) for _ in range(args.batch)])
+            pick = picks(args, sequences, rng)
             tokens = sequences[pick].to(args.device)
             taps = kept[0][pick].to(args.device)
             log_p = dense_log_p(kept[1][pick], kept[2][pick], config.draft_vocab_size).to(args.device)
