@@ -168,6 +168,8 @@ def test_the_suite_judges_the_policy_on_the_published_model_with_the_ngram_draft
     # Greedy: every mode emits the target's own tokens.
     assert tables["none"]["mean_accepted_drafts"] == 0 < tables["static:2"]["tokens"] == tables["none"]["tokens"]
     assert "adaptive:positional" in results["summary"]["adaptive"]
+    assert "adaptive:positional" in results["decoding_summary"]["adaptive"]
+    assert "each workload's best static k" in printed.out and "on decoding time alone" in printed.out
 
 
 def test_bench_spec_without_a_config_runs_what_the_daemon_runs():
