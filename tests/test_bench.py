@@ -17,7 +17,7 @@ from bench.spec import main as spec_main
 from engine.checkpoint import load_checkpoint
 from engine.generate import generate
 from engine.sampling import SamplingParams
-from tests.conftest import perturbed_copy, save_tiny, tiny_hf_model
+from tests.conftest import needs_smollm2, perturbed_copy, save_tiny, tiny_hf_model
 
 
 def tiny_setup(tmp_path: Path, lines: list[dict], draft_scale: float) -> tuple[Path, Path, Path]:
@@ -149,18 +149,19 @@ def test_the_suite_names_how_to_fetch_the_published_model_where_it_is_absent(tmp
         suite_main(["--published", "--modes", "none"])
 
 
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent (set ADASPEC_SMOLLM2_GGUF)")
+@needs_smollm2
 def test_the_suite_judges_the_policy_on_the_published_model_with_the_ngram_drafter(tmp_path, capsys):
     workloads = tmp_path / "suite"
     workloads.mkdir()
     lines = [{"prompt": f"def f{i}(x):\n    return x + {i}\n\ndef g{i}(x):", "max_tokens": 8} for i in range(6)]
     (workloads / "code.heldout.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    out = tmp_path / "suite.json"
-    modes = "none,static:2,adaptive:positional"
-    suite_main_args = ["--published", "--requests", "2", "--workloads", str(workloads), "--concurrency", "1"]
     from bench.suite import main as suite_main
 
-    suite_main(suite_main_args + ["--modes", modes, "--max-seq-len", "256", "--json", str(out)])
+    out = tmp_path / "suite.json"
+    suite_main(
+        ["--published", "--requests", "2", "--workloads", str(workloads), "--concurrency", "1"]
+        + ["--modes", "none,static:2,adaptive:positional", "--max-seq-len", "256", "--json", str(out)]
+    )
     printed = capsys.readouterr()
     assert f"target {SMOLLM2}, drafter ngram" in printed.err and "(2 requests)" in printed.out
     results = json.loads(out.read_text())["concurrency"]["1"]

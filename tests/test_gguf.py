@@ -21,7 +21,7 @@ from engine.gguf import GGUFCheckpoint, inspect_gguf
 from engine.model.config import CheckpointError
 from engine.model.transformer import ForwardBatch
 from engine.sampling import SamplingParams
-from tests.conftest import DEFAULT_TARGET, tiny_hf_model
+from tests.conftest import DEFAULT_TARGET, needs_smollm2, tiny_hf_model
 from tests.gguf_files import CHAT_TEMPLATE, dequantized_copy, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -198,7 +198,7 @@ def test_a_draft_gguf_must_share_the_targets_tokenizer(tmp_path):
         load_config(config, check_models=True)
 
 
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent (set ADASPEC_SMOLLM2_GGUF)")
+@needs_smollm2
 def test_a_published_q4_1_model_reads_as_transformers_reads_it(tmp_path):
     """Against transformers' reading of the same file (its dequantization, shape and tokenizer,
     written as a checkpoint directory by tools/dequantize_gguf.py), run on the same forward."""

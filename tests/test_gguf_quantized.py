@@ -25,7 +25,7 @@ from engine.native.build import library
 from engine.native.weights import GroupPanels
 from engine.request import Request
 from engine.sampling import SamplingParams
-from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, tiny_hf_model
+from tests.conftest import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, needs_smollm2, tiny_hf_model
 from tests.gguf_files import gguf_name, write_gguf
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no compiled kernels")
@@ -192,9 +192,6 @@ def test_engine_weights_keep_no_float_copy_of_what_the_kernels_serve(weights):
     float_bytes = sum(p.numel() * 4 for p in load_checkpoint(DEFAULT_TARGET, dtype="float32").model.parameters())
     per_weight = {"int8": 1 + 4 / 32, "int4": 0.5 + 8 / 32}[weights]
     assert model.native.weight_bytes < float_bytes * (per_weight / 4) * 1.1  # norms and RoPE tables besides
-
-
-needs_smollm2 = pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent (set ADASPEC_SMOLLM2_GGUF)")
 
 
 @needs_smollm2
