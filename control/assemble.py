@@ -15,6 +15,7 @@ from engine import parallel
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
+from engine.device.backend import backend_for
 from engine.device.graphs import default_batch_sizes
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter
@@ -155,7 +156,14 @@ def build_controller(
     if settings.tensor_parallel > 1:  # the other ranks allocate their share of the engine's cache
         parallel.Leader.of(models.target.model).start(batch, seq_len)
     first, *others = required_k(snapshot)
-    with phase(f"allocate caches, build runtime state k={first}"):
+    backend = backend_for(models.target.model.device)
+    if not settings.prefill_graph_tokens:
+        prefill = "prefill eagerly (prefill_graph_tokens = 0)"
+    elif backend.prefill_graphs_off:
+        prefill = f"prefill eagerly: {backend.prefill_graphs_off}"
+    else:
+        prefill = f"capture prefill graphs up to {settings.prefill_graph_tokens} tokens"
+    with phase(f"allocate caches, {prefill}, build runtime state k={first}"):
         engine = Engine(
             models.target,
             drafter,
@@ -163,7 +171,9 @@ def build_controller(
             seq_len,
             [first],
             max_k=settings.max_k,
+            backend=backend,
             verification=settings.verification,
+            prefill_graph_tokens=settings.prefill_graph_tokens,
         )
     for k in others:
         with phase(f"build runtime state k={k}"):

@@ -138,6 +138,8 @@ SCHEMA: Mapping[str, Section] = {
                        " core", lo=0, hi=1024),
         "tensor_parallel": Key("int", 1, "ranks (processes) the target is split across, each holding a share of"
                                " its heads and MLP units; 1 = one process", lo=1, hi=64),
+        "prefill_graph_tokens": Key("int", 2048, "CUDA: most prompt tokens one prefill runs through piecewise"
+                                    " graphs; 0 = prefill eagerly", lo=0, hi=65536),
     }),
     # Each policy key's doc names the strategies that read it. The policy's defaults were chosen on
     # the tuning half of the workload suite (docs/benchmarks.md; config.toml says which).

@@ -27,6 +27,7 @@ class EngineSettings:
     max_k: int
     threads: int = 0
     tensor_parallel: int = 1
+    prefill_graph_tokens: int = 2048
     dflash: Path | None = None
     eagle3: Path | None = None
 

@@ -85,6 +85,19 @@ class Metrics:
             registry=registry,
         )
         self.switches = Counter("adaspec_switches", "Draft-length switches, by reason", ["reason"], registry=registry)
+        self.prefill_tokens = Counter(
+            "adaspec_prefill_tokens",
+            "Prompt tokens prefilled, by path: graph (piecewise graphs, CUDA) or eager",
+            ["path"],
+            registry=registry,
+        )
+        self.prefill_fallbacks = Counter(
+            "adaspec_prefill_fallbacks",
+            "Prefills run eagerly where prefill graphs exist, by the guard that refused them: tokens (more"
+            " than the largest bucket), rows, capture (other hidden-state taps), overflow",
+            ["reason"],
+            registry=registry,
+        )
 
     def watch(self, loop: EngineLoop, reloader: Reloader) -> None:
         """Report the running daemon's state at every scrape."""
@@ -103,6 +116,10 @@ class Metrics:
             self.rounds.labels(str(result.k)).inc()
         if result.drafts_trimmed:
             self.trimmed.inc(result.drafts_trimmed)
+        if result.prefill_tokens:
+            self.prefill_tokens.labels("graph" if result.prefill_graphed else "eager").inc(result.prefill_tokens)
+        if result.prefill_fallback is not None:
+            self.prefill_fallbacks.labels(result.prefill_fallback).inc()
         # Drafts are kept as a prefix: a sequence that proposed p and kept a covers positions
         # 1..p proposed and 1..a accepted. Summed per position first: one increment each.
         proposed = [0] * (result.k + 1)

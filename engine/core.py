@@ -33,6 +33,7 @@ from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.detokenize import OutputText
 from engine.device.backend import Backend, backend_for
 from engine.device.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
+from engine.device.prefill import DEFAULT_MAX_TOKENS, PrefillGraphs
 from engine.drafters.base import Drafter, Proposal
 from engine.model.transformer import Captured
 from engine.request import Request, Sequence, finish_reason
@@ -113,6 +114,9 @@ class StepResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     drafts_trimmed: int = 0  # drafts left unverified because the drafter was unsure of them
+    prefill_tokens: int = 0  # prompt tokens prefilled at this round's boundary
+    prefill_graphed: bool = False  # whether they ran through prefill graphs (engine/device/prefill.py)
+    prefill_fallback: str | None = None  # why not, where prefill graphs exist (a guard's reason)
 
 
 def rows(hidden: dict[int, Tensor], keep: list[int]) -> dict[int, Tensor]:
@@ -139,6 +143,7 @@ class Engine:
         graphs: bool = True,
         graph_batch_sizes: Iterable[int] | None = None,
         verification: str = "block",
+        prefill_graph_tokens: int = DEFAULT_MAX_TOKENS,
     ) -> None:
         if verification not in CHAIN_RULES:
             raise ValueError(f"unknown verification {verification!r}: expected one of {', '.join(CHAIN_RULES)}")
@@ -157,6 +162,13 @@ class Engine:
         if graphs and self.backend.supports_graphs:
             sizes = list(graph_batch_sizes or default_batch_sizes(max_batch_size))
             self.graph_runner = GraphRunner(self.model, self.cache, self.backend, sizes)
+        # Prompts through piecewise graphs, where the backend allows them (it says why not).
+        self.prefill_graphs: PrefillGraphs | None = None
+        most = min(prefill_graph_tokens, max_batch_size * max_seq_len)
+        if self.graph_runner is not None and most > 0 and self.backend.prefill_graphs_off is None:
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.cache, self.backend, most, max_batch_size, self.capture_layers
+            )
         self.round = 0
         self.running: list[Sequence] = []
         self.waiting: deque[Request] = deque()
@@ -202,6 +214,7 @@ class Engine:
     def graph_captures(self) -> int:
         """Graphs captured so far: only building a state adds to it, never selecting one."""
         target = self.graph_runner.captures if self.graph_runner is not None else 0
+        target += self.prefill_graphs.captures if self.prefill_graphs is not None else 0
         return target + (self.drafter.graph_captures if self.drafter is not None else 0)
 
     @torch.inference_mode()
@@ -330,9 +343,10 @@ class Engine:
         state = self.state(k)
         outputs: dict[str, SequenceOutput] = {}
         self._apply_cancellations(outputs)
+        result = StepResult(self.round, k, 0, [])
         started = time.perf_counter()
-        self._admit(outputs)
-        result = StepResult(self.round, k, 0, [], prefill_seconds=time.perf_counter() - started)
+        self._admit(outputs, result)
+        result.prefill_seconds = time.perf_counter() - started
         seqs = [s for s in self.running if s.finish_reason is None]
         if seqs:
             started = time.perf_counter()
@@ -425,7 +439,7 @@ class Engine:
 
     # ---- boundaries ----------------------------------------------------------------------
 
-    def _admit(self, outputs: dict[str, SequenceOutput]) -> None:
+    def _admit(self, outputs: dict[str, SequenceOutput], result: StepResult) -> None:
         admitted: list[Sequence] = []
         while self.waiting and self.cache.free_slots:
             request = self.waiting.popleft()
@@ -439,8 +453,16 @@ class Engine:
             admitted.append(seq)
         if not admitted:
             return
-        batch = self.model.batch(self.cache, [s.slot for s in admitted], [s.tokens for s in admitted])
-        out = self.model(batch, self.cache, last_only=True, capture=self.capture_layers)
+        slots, prompts = [s.slot for s in admitted], [s.tokens for s in admitted]
+        result.prefill_tokens = sum(len(prompt) for prompt in prompts)
+        out = None
+        if self.prefill_graphs is not None:
+            out = self.prefill_graphs.run(slots, prompts, self.capture_layers)
+            result.prefill_graphed = out is not None
+            if out is None:
+                result.prefill_fallback = self.prefill_graphs.refusal(slots, prompts, self.capture_layers)
+        if out is None:
+            out = self.model(self.model.batch(self.cache, slots, prompts), self.cache, True, self.capture_layers)
         logits = out.logits[:, -1]
         for row, seq in enumerate(admitted):
             new = self._append(seq, [next_token(logits[row], seq.params, seq.generator)])

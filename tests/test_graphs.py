@@ -114,7 +114,7 @@ def test_selection_matches_mode_and_capture_and_pads_width_and_batch():
 def test_runner_refuses_to_capture_prefill(pair):
     target, _ = pair
     runner = GraphRunner(target.model, target.model.new_cache(2, MAX_SEQ_LEN), FakeGraphBackend(), [1, 2])
-    with pytest.raises(ValueError, match="prefill runs eagerly"):
+    with pytest.raises(ValueError, match="captured piecewise"):
         runner.capture(ForwardMode.PREFILL, [8])
     assert runner.captures == 0
 

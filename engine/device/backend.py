@@ -35,6 +35,9 @@ class Backend:
     allows_compile = True
     supports_graphs = False
     measures_memory = False  # whether memory_reserved's figures are measured (its 0 here is not)
+    # Why prompts are not prefilled through piecewise graphs here (engine/device/prefill.py);
+    # None where they are.
+    prefill_graphs_off: str | None = "no graphs on this device"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -74,12 +77,15 @@ class Backend:
 class CpuBackend(Backend):
     """The CPU: eager, compile allowed; memory accounting reports 0 (host memory is not tracked)."""
 
+    prefill_graphs_off = "on a CPU the compiled forward serves prefill, with no launches to save"
+
 
 class _GraphBackend(Backend):
     """An accelerator whose torch module mirrors torch.cuda: streams, memory stats, graphs."""
 
     supports_graphs = True
     measures_memory = True
+    prefill_graphs_off = None
     warmup_runs = 2  # eager runs before each capture, so lazy initialisation never happens inside one
 
     def __init__(self, device: torch.device, module: Any, graph_class: Any, graph_context: Any) -> None:
@@ -146,6 +152,9 @@ class NpuBackend(_GraphBackend):
 
     name = "npu"
     allows_compile = False
+    # As in the seed PR (26403): piecewise prefill graphs come from splitting a torch.compile'd
+    # forward in SGLang, and nothing here is compiled on an NPU; no NPU has checked them here either.
+    prefill_graphs_off = "on Ascend prefill stays eager, as the seed PR 26403 keeps it (no torch.compile there)"
 
     def __init__(self, device: torch.device) -> None:
         import torch_npu  # resolve_device has already checked it imports

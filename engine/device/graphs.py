@@ -19,15 +19,16 @@ What is captured, and who owns it:
   draft and both the last draft and the target's token are fed), one graph per bucket, last token
   only. It does not depend on k, so one set is shared by every state: it is captured with the first
   state that drafts (which pays its time and memory) and lives on the drafter.
-- PREFILL runs eagerly: prompts vary too much in length for a bucketed graph to pay off.
+- PREFILL is not captured whole here: prompts' lengths never repeat. engine/device/prefill.py
+  captures the work between attentions per token bucket instead, with attention eager.
 - A feature drafter's own forward (an EAGLE-3 chain step, a DFlash block) is not a Transformer
   forward: `CallGraphs` captures any such function of static inputs, one graph per bucket, shared
   by every state like the draft model's steps. An EAGLE-3 head's greedy chain of k drafts is
   also captured whole, owned by state k: one replay a round, the argmax of each step feeding the
   next on the device. Each feature drafter's extend after a verify of k + 1 tokens is owned by
   state k too (positions past a sequence's kept ones write its scratch position); an EAGLE-3
-  head's extend of anything else held (a prompt, rounds at k = 0 since) runs eagerly, as prefill
-  does. Each drafter captures its own (`Drafter.capture`).
+  head's extend of anything else held (a prompt, rounds at k = 0 since) runs eagerly. Each
+  drafter captures its own (`Drafter.capture`).
 
 Guards: a graph is only replayed for a batch of the same mode and the same hidden-capture layers,
 whose widest row and batch size fit (padded) the graph's; anything else runs eagerly. A verify of
@@ -197,7 +198,7 @@ class GraphRunner:
     def capture(self, mode: ForwardMode, widths: Iterable[int], capture: Seq[int] = ()) -> GraphSet:
         """Capture `mode` at each width for every batch size; records the time and memory it took."""
         if mode is ForwardMode.PREFILL:
-            raise ValueError("prefill runs eagerly: prompts are not captured")
+            raise ValueError("prompts are captured piecewise (engine/device/prefill.py), not as whole forwards")
         self.backend.empty_cache()  # so that the reserved-memory delta is what the graphs hold
         before = self.backend.memory_reserved()
         started = time.perf_counter()

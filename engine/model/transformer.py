@@ -325,23 +325,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch | None, cache: KVCache | None) -> Tensor:
-        heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x)
         if batch is not None and batch.rows is None:
             qkv = batch.unpack(qkv)
-        # [B, T, heads, D], or [tokens, heads, D] when the rows attend one at a time.
-        qkv = qkv.view(*qkv.shape[:-1], heads + 2 * kv_heads, self.head_dim)
-        v = qkv[..., heads + kv_heads :, :]
-        if self.q_norm is not None and self.k_norm is not None:
-            q_heads, k_heads = qkv[..., :heads, :], qkv[..., heads : heads + kv_heads, :]
-            qk = torch.cat((self.q_norm(q_heads), self.k_norm(k_heads)), dim=-2)
-        else:
-            qk = qkv[..., : heads + kv_heads, :]
-        # Queries and keys get the same rotation: one pass over both heads' worth of values.
-        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=-2)
-
+        q, k, v = self.rotate(qkv, cos, sin)
         if batch is not None and cache is not None and batch.rows is not None:
-            return self.o_proj(self._attend_by_row(q, k, v, batch, cache))
+            return self.o_proj(self.attend_by_row(q, k, v, batch, cache))
         bsz, seqlen = qkv.shape[:2]
         if batch is None or cache is None:  # training: plain causal attention over x
             out = F.scaled_dot_product_attention(
@@ -368,7 +357,23 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.q_size)
         return self.o_proj(batch.pack(out) if batch is not None else out)
 
-    def _attend_by_row(self, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
+    def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries, keys and values of the qkv projection [..., q_size + 2 * kv_size], as
+        [..., heads, D] each ([B, T, ...], or [tokens, ...] when the rows attend one at a time),
+        queries and keys normed (where the family does) and rotated to their positions."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = qkv.view(*qkv.shape[:-1], heads + 2 * kv_heads, self.head_dim)
+        v = qkv[..., heads + kv_heads :, :]
+        if self.q_norm is not None and self.k_norm is not None:
+            q_heads, k_heads = qkv[..., :heads, :], qkv[..., heads : heads + kv_heads, :]
+            qk = torch.cat((self.q_norm(q_heads), self.k_norm(k_heads)), dim=-2)
+        else:
+            qk = qkv[..., : heads + kv_heads, :]
+        # Queries and keys get the same rotation: one pass over both heads' worth of values.
+        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=-2)
+        return q, k, v
+
+    def attend_by_row(self, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
         """Attention for packed tokens ([tokens, heads, D]), a row at a time; [tokens, q_size]."""
         assert batch.rows is not None and batch.token_slots is not None
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
