@@ -359,3 +359,10 @@ def test_where_an_adaptive_mode_lost_time_adds_up_to_what_it_lost_against_the_be
     assert losses["tries"][1] == 2 and losses["k=1"][1] == 4
     assert losses["k=3 (best)"][0] == pytest.approx(0.0, abs=1e-12)
     assert sum(share for share, _ in losses.values()) == pytest.approx(1 - report.tokens / report.seconds / best)
+
+
+def test_the_prefill_bench_says_in_one_line_why_a_cpu_has_no_prefill_graphs():
+    from bench import prefill
+
+    with pytest.raises(SystemExit, match="^bench.prefill: cpu: on a CPU the compiled forward serves prefill"):
+        prefill.main(["--device", "cpu"])
