@@ -158,6 +158,8 @@ class Engine:
         self.max_k = max_k
         self.cache = self.model.new_cache(max_batch_size, max_seq_len)
         self.backend = backend or backend_for(self.model.device)
+        if drafter is not None:
+            drafter.samples_on_device = self.backend.samples_on_device
         self.graph_runner: GraphRunner | None = None
         if graphs and self.backend.supports_graphs:
             sizes = list(graph_batch_sizes or default_batch_sizes(max_batch_size))
@@ -389,7 +391,8 @@ class Engine:
         if out is None:
             batch = self.model.batch(self.cache, slots, tokens)
             out = self.model(batch, self.cache, capture=self.capture_layers)
-        return verify(out.logits, seqs, proposals, self.verification, out.argmax), out.hidden
+        emitted = verify(out.logits, seqs, proposals, self.verification, out.argmax, self.backend.samples_on_device)
+        return emitted, out.hidden
 
     def accept(
         self,

@@ -2,10 +2,17 @@
 
 `target_probs` gives the exact distribution a request samples from; speculative verification
 uses the same function, so speculation and target-only decoding sample from the same thing.
+
+On an accelerator a batch is drawn on the device at once instead (`RowSampling`): each row's
+parameters are tensors, `probs_by_row` is `target_probs` for every row with its own, and
+`draw_by_row` inverts each row's cumulative sum at a uniform drawn before, from the row's own
+generator (`uniforms`). Nothing reads a value back to the host, so a graph can capture them, and a
+chain of sampled drafts or a batch of verifications costs one read back, not one a token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -117,3 +124,57 @@ def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generato
     if params.greedy:
         return int(logits.argmax().item())
     return sample(target_probs(logits, params), generator)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's sampling parameters as device tensors [rows]."""
+
+    temperature: Tensor  # float32, > 0
+    top_k: Tensor  # int64, 0 keeps every token
+    top_p: Tensor  # float32
+
+    @classmethod
+    def of(cls, params: Seq[SamplingParams], device: torch.device) -> RowSampling:
+        """The parameters of sampled requests (temperature > 0), one row each."""
+        return cls(
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        )
+
+
+def probs_by_row(logits: Tensor, rows: RowSampling) -> Tensor:
+    """`target_probs` of logits [rows, ..., V], each row with its own parameters, with device
+    operators only. The same distributions: top-k keeps every logit at or above the k-th largest
+    and top-p the smallest set of most likely tokens whose mass reaches it, found here by sorting
+    (the bucketed `nucleus` would read a count back to the host)."""
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    scaled = logits.float() / rows.temperature.view(shape)
+    ordered = scaled.sort(dim=-1, descending=True).values
+    vocab = logits.shape[-1]
+    kth = (torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab) - 1).view(shape)
+    cutoff = ordered.gather(-1, kth.expand(*ordered.shape[:-1], 1))
+    probs = torch.softmax(scaled.masked_fill(scaled < cutoff, float("-inf")), dim=-1)
+    ranked, order = probs.sort(dim=-1, descending=True)
+    before = ranked.cumsum(dim=-1) - ranked  # the mass of every more likely token
+    top_p = rows.top_p.view(shape)
+    kept = torch.where((before < top_p) | (top_p >= 1.0), ranked, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, kept)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def draw_by_row(probs: Tensor, u: Tensor) -> Tensor:
+    """One token of each row of probs [rows, V] at its uniform u [rows] (float64), as `sample`
+    draws it: the first token whose cumulative weight exceeds u times the row's total."""
+    cdf = probs.double().cumsum(dim=-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # A draw rounded up to the total takes the last token with weight, never one without.
+    index = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, index, 0).amax(dim=-1)
+    return torch.minimum(token, last)
+
+
+def uniforms(generators: Seq[torch.Generator | None], count: int, device: torch.device) -> Tensor:
+    """[rows, count] float64 uniforms, each row drawn from its own generator on the device."""
+    return torch.stack([torch.rand(count, generator=g, dtype=torch.float64, device=device) for g in generators])

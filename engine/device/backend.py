@@ -38,6 +38,10 @@ class Backend:
     # Why prompts are not prefilled through piecewise graphs here (engine/device/prefill.py);
     # None where they are.
     prefill_graphs_off: str | None = "no graphs on this device"
+    # Whether sampled drafts and verifications are drawn a batch at a time with device operators
+    # (engine/sampling.py `RowSampling`), as a device wants: no read back per token. On a CPU the
+    # compiled kernels draw a row at a time, faster than operators over a whole batch.
+    samples_on_device = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -86,6 +90,7 @@ class _GraphBackend(Backend):
     supports_graphs = True
     measures_memory = True
     prefill_graphs_off = None
+    samples_on_device = True
     warmup_runs = 2  # eager runs before each capture, so lazy initialisation never happens inside one
 
     def __init__(self, device: torch.device, module: Any, graph_class: Any, graph_context: Any) -> None:

@@ -59,6 +59,9 @@ class Drafter(Protocol):
 
     name: str
     capture_layers: tuple[int, ...]
+    # Set by the engine from its backend: draw sampled drafts a batch at a time with device
+    # operators (engine/sampling.py `RowSampling`) rather than a row and a read back at a time.
+    samples_on_device: bool = False
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None: ...
 

@@ -25,7 +25,7 @@ from engine.model.transformer import Transformer, side_by_side
 from engine.native.build import available, library
 from engine.native.dflash import NativeDFlash
 from engine.request import Sequence
-from engine.sampling import sample, target_probs
+from engine.sampling import RowSampling, draw_by_row, probs_by_row, sample, target_probs, uniforms
 
 
 class DFlashDrafter(Drafter):
@@ -143,16 +143,37 @@ class DFlashDrafter(Drafter):
         # and those before it, which it drafted side by side, not one from another.
         top, choice = logits.softmax(dim=-1).max(dim=-1)
         confidence, choice = top.cumprod(dim=-1).tolist(), self.draft_ids[choice].tolist()
+        sampled = [row for row, i in enumerate(rows) if not seqs[i].params.greedy] if self.samples_on_device else []
+        if sampled:
+            chosen = [rows[row] for row in sampled]
+            drawn = self.sample_blocks(
+                [seqs[i] for i in chosen], logits[sampled], [min(ks[i], self.max_k) for i in chosen]
+            )
+            for i, proposal in zip(chosen, drawn):
+                proposals[i] = proposal
         for row, i in enumerate(rows):
             seq, k = seqs[i], min(ks[i], self.max_k)
             if seq.params.greedy:
                 proposals[i] = Proposal(choice[row][:k], confidence=confidence[row][:k])
-            else:
+            elif row not in sampled:
                 q = target_probs(logits[row, :k], seq.params)
                 tokens = [int(self.draft_ids[sample(q[j], seq.generator)]) for j in range(k)]
                 full = self.model.full_probabilities(q, self.draft_ids)
                 proposals[i] = Proposal(tokens, full, q.amax(dim=-1).cumprod(dim=-1).tolist())
         return proposals
+
+    def sample_blocks(self, seqs: Seq[Sequence], logits: Tensor, ks: Seq[int]) -> list[Proposal]:
+        """Sampled rows' first ks[row] drafts drawn together with device operators (logits [rows,
+        drafts, draft vocab]), every draw from the row's own generator: one read back for them all."""
+        device = logits.device
+        q = probs_by_row(logits, RowSampling.of([s.params for s in seqs], device))
+        rows, drafts = q.shape[:2]
+        u = uniforms([s.generator for s in seqs], drafts, device)
+        drawn = self.draft_ids[draw_by_row(q.flatten(0, 1), u.flatten()).view(rows, drafts)]
+        confidence = q.amax(dim=-1).cumprod(dim=-1).double()
+        tokens, confidence = torch.stack((drawn.double(), confidence)).tolist()
+        full = self.model.full_probabilities(q, self.draft_ids)
+        return [Proposal([int(t) for t in tokens[r][:k]], full[r, :k], confidence[r][:k]) for r, k in enumerate(ks)]
 
     def block_width(self, drafts: int) -> int:
         """Positions of the block that drafts `drafts`: k + 1 for a drafter trained on shorter

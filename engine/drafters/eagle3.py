@@ -31,7 +31,7 @@ from engine.model.transformer import Transformer, side_by_side, visible_keys
 from engine.native.build import available, library
 from engine.native.eagle3 import NativeEagle3, Sampling
 from engine.request import Sequence
-from engine.sampling import sample, target_probs
+from engine.sampling import RowSampling, draw_by_row, probs_by_row, sample, target_probs, uniforms
 
 
 class Extend(NamedTuple):
@@ -99,6 +99,9 @@ class Eagle3Drafter(Drafter):
         self.graphs: CallGraphs | None = None
         # Greedy chains of k drafts whole, one set per k, captured with state k (`capture_chain`).
         self.chain_graphs: dict[int, CallGraphs] = {}
+        # Sampled chains of k drafts whole, drawn on the device, where the engine samples there
+        # (`capture_sampled_chain`).
+        self.sampled_chain_graphs: dict[int, CallGraphs] = {}
         # The draft-extend after a verify of width k + 1, keyed by that width, captured with state k
         # (`capture_extend`): eagerly it is a dozen operators and a host read a round.
         self.extend_graphs: dict[int, CallGraphs] = {}
@@ -276,6 +279,40 @@ class Eagle3Drafter(Drafter):
 
         return CallGraphs(backend, batch_sizes, padding, partial(self.static_chain, steps=k - 1))
 
+    def capture_sampled_chain(self, backend: Backend, batch_sizes: Seq[int], k: int) -> CallGraphs:
+        """A sampled chain of k drafts (`static_sampled_chain`) captured for each batch size. A
+        padding row chains at slot 0's scratch position, at temperature 1 with every token."""
+        device = self.next_feature.device
+
+        def padding(batch_size: int) -> tuple[Tensor, ...]:
+            inputs = torch.zeros(batch_size, 2, dtype=torch.long, device=device)
+            inputs[:, 0] = self.cache.scratch_pos
+            drawn = torch.zeros(batch_size, k, dtype=torch.float64, device=device)
+            ones = torch.ones(batch_size, device=device)
+            return inputs, drawn, ones, torch.zeros(batch_size, dtype=torch.long, device=device), ones.clone()
+
+        return CallGraphs(backend, batch_sizes, padding, partial(self.static_sampled_chain, steps=k - 1))
+
+    def static_sampled_chain(
+        self, inputs: Tensor, drawn: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, steps: int
+    ) -> tuple[Tensor, Tensor]:
+        """`static_chain` with each draft drawn, not chosen: row i's draft j from its
+        probabilities under its own temperature, top_k and top_p, at its uniform drawn[i, j].
+        Returns the drafts' target ids [rows, steps + 1] and their draft-vocabulary
+        probabilities [rows, steps + 1, draft vocab], which the rejection rule reads."""
+        starts, slots = inputs.unbind(-1)
+        rows = RowSampling(temperature, top_k, top_p)
+        features, logits = self.next_feature[slots], self.next_logits[slots]
+        drafts, probs = [], []
+        for step in range(steps + 1):
+            if step:
+                positions = (starts + step - 1).clamp(max=self.cache.scratch_pos)
+                features, logits = self.static_draft(torch.stack((drafts[-1], positions, slots), dim=-1), features)
+            q = probs_by_row(logits, rows)
+            drafts.append(self.draft_ids[draw_by_row(q, drawn[:, step])])
+            probs.append(q)
+        return torch.stack(drafts, dim=-1), torch.stack(probs, dim=1)
+
     def static_chain(self, inputs: Tensor, steps: int) -> tuple[Tensor]:
         """A greedy chain with device ops only (what a graph captures): rows `inputs` [rows, 2] =
         (the slot's entries, the slot). The first draft is the argmax of the slot's next logits,
@@ -377,6 +414,9 @@ class Eagle3Drafter(Drafter):
             active = [i for i in active if not seqs[i].params.greedy]
         elif greedy and self.graph_chains(seqs, ks, greedy, proposals):
             active = [i for i in active if not seqs[i].params.greedy]
+        sampled = [i for i in active if not seqs[i].params.greedy]
+        if sampled and self.sampled_chain_graphs and self.graph_sampled_chains(seqs, ks, sampled, proposals):
+            active = [i for i in active if seqs[i].params.greedy]
         if self.sampled_in_kernels and self.graphs is None:
             drawn = [i for i in active if not seqs[i].params.greedy and not seqs[i].params.top_k]
             if drawn:
@@ -483,6 +523,31 @@ class Eagle3Drafter(Drafter):
             proposals[i].tokens = drafts[: ks[i]]
         return True
 
+    def graph_sampled_chains(
+        self, seqs: Seq[Sequence], ks: Seq[int], rows: list[int], proposals: list[Proposal]
+    ) -> bool:
+        """Sampled chains for seqs[rows] in one replay of the longest one's sampled chain graph,
+        each row's draws taken first from its own generator; False where none serves them (as
+        `graph_chains`)."""
+        k = max(ks[i] for i in rows)
+        graphs = self.sampled_chain_graphs.get(k)
+        slots = [seqs[i].draft_slot for i in rows]
+        starts = [self.cache.lengths[s] for s in slots]
+        if graphs is None or max(starts) + k - 2 >= self.cache.max_seq_len or len(rows) > max(graphs.calls):
+            return False
+        device = self.next_feature.device
+        sampling = RowSampling.of([seqs[i].params for i in rows], device)
+        drawn = uniforms([seqs[i].generator for i in rows], k, device)
+        where = torch.tensor([starts, slots], dtype=torch.long, device=device).T
+        out = graphs.run(where, drawn, sampling.temperature, sampling.top_k, sampling.top_p)
+        assert out is not None  # the batch fits a bucket
+        tokens, probs = out
+        for row, (i, drafts) in enumerate(zip(rows, tokens.tolist())):
+            proposals[i].tokens = drafts[: ks[i]]
+            # A copy: the graph's outputs are overwritten by its next replay.
+            proposals[i].probs = self.model.full_probabilities(probs[row, : ks[i]].clone(), self.draft_ids)
+        return True
+
     def chains(
         self, seqs: Seq[Sequence], ks: Seq[int], active: list[int], proposals: list[Proposal], rule: ConfidenceRule
     ) -> None:
@@ -540,11 +605,15 @@ class Eagle3Drafter(Drafter):
             memory += self.graphs.memory_bytes
         chain = self.chain_graphs[k] = self.capture_chain(backend, batch_sizes, k)
         extend = self.extend_graphs[k + 1] = self.capture_extend(backend, batch_sizes, k + 1)
+        if self.samples_on_device:
+            sampled = self.sampled_chain_graphs[k] = self.capture_sampled_chain(backend, batch_sizes, k)
+            memory += sampled.memory_bytes
         return memory + chain.memory_bytes + extend.memory_bytes
 
     @property
     def graph_captures(self) -> int:
-        sets = [self.graphs, *self.chain_graphs.values(), *self.extend_graphs.values()]
+        sets = [self.graphs, *self.chain_graphs.values(), *self.sampled_chain_graphs.values()]
+        sets += self.extend_graphs.values()
         return sum(graphs.captures for graphs in sets if graphs is not None)
 
     def release(self, seq: Sequence) -> None:
