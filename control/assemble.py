@@ -157,10 +157,15 @@ def build_controller(
         parallel.Leader.of(models.target.model).start(batch, seq_len)
     first, *others = required_k(snapshot)
     backend = backend_for(models.target.model.device)
+    # A sharded target's forwards reach the other ranks through its forward hook (engine/parallel.py
+    # `Leader`); a replayed graph would run on rank 0 alone.
+    graphs = settings.tensor_parallel == 1
     if not settings.prefill_graph_tokens:
         prefill = "prefill eagerly (prefill_graph_tokens = 0)"
     elif backend.prefill_graphs_off:
         prefill = f"prefill eagerly: {backend.prefill_graphs_off}"
+    elif not graphs:
+        prefill = "prefill eagerly: a target split across ranks runs no graphs"
     else:
         prefill = f"capture prefill graphs up to {settings.prefill_graph_tokens} tokens"
     with phase(f"allocate caches, {prefill}, build runtime state k={first}"):
@@ -172,6 +177,7 @@ def build_controller(
             [first],
             max_k=settings.max_k,
             backend=backend,
+            graphs=graphs,
             verification=settings.verification,
             prefill_graph_tokens=settings.prefill_graph_tokens,
         )
