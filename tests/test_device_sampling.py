@@ -179,8 +179,8 @@ def test_sampled_requests_drawn_on_the_device_keep_the_targets_distribution(
     small_vocab_pair, kind, verification, monkeypatch
 ):
     """Every verification judged in one batch on the device, the EAGLE-3 head's sampled chains
-    replayed whole from their graphs, DFlash's blocks drawn together: chi-square of the 2nd and
-    3rd sampled tokens against the target's exact marginals."""
+    replayed whole from their graphs, DFlash's blocks and the draft model's steps drawn together:
+    chi-square of the 2nd and 3rd sampled tokens against the target's exact marginals."""
     import engine.verify
 
     target, draft = small_vocab_pair
@@ -209,7 +209,7 @@ def test_sampled_requests_drawn_on_the_device_keep_the_targets_distribution(
     assert_follows_marginals(outputs, requests, marginals)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "draft_model"])
 def test_a_seed_drawn_on_the_device_repeats_its_output(small_vocab_pair, kind):
     target, draft = small_vocab_pair
     params = SamplingParams(max_tokens=12, temperature=1.0, top_k=6, seed=11, ignore_eos=True)

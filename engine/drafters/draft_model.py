@@ -19,7 +19,7 @@ from engine.model.kv_cache import KVCache
 from engine.model.transformer import Transformer
 from engine.native.forward import NativeForward
 from engine.request import Sequence
-from engine.sampling import sample, target_probs
+from engine.sampling import RowSampling, draw_by_row, probs_by_row, sample, target_probs, uniforms
 
 
 class Int8Linear(nn.Module):
@@ -117,11 +117,23 @@ class DraftModelDrafter(Drafter):
             active = [i for i in active if not seqs[i].params.greedy]
         while active:
             logits = self._forward([seqs[i] for i in active], [inputs[i] for i in active], ForwardMode.DRAFT)
-            greedy_rows = logits.argmax(dim=-1).tolist()
+            chosen, drawn = logits.argmax(dim=-1), {}
+            sampled = [row for row, i in enumerate(active) if not seqs[i].params.greedy]
+            if sampled and self.samples_on_device:
+                # The step's sampled rows drawn together on the device: one read back a step, not a row.
+                rows, device = [seqs[active[row]] for row in sampled], logits.device
+                q = probs_by_row(logits[sampled], RowSampling.of([s.params for s in rows], device))
+                u = uniforms([s.generator for s in rows], 1, device)[:, 0]
+                chosen = chosen.index_copy(0, torch.tensor(sampled, device=device), draw_by_row(q, u))
+                drawn = dict(zip(sampled, q))
+            picked = chosen.tolist()
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if seq.params.greedy:
-                    token = greedy_rows[row]
+                    token = picked[row]
+                elif row in drawn:
+                    token = picked[row]
+                    probs[i].append(drawn[row])
                 else:
                     q = target_probs(logits[row], seq.params)
                     token = sample(q, seq.generator)
