@@ -283,3 +283,25 @@ def test_on_cuda_sampled_requests_through_graphs_keep_the_targets_distribution(t
     if kind == "eagle3":
         assert drafter.sampled_chain_graphs[2].replays > 0
     assert_follows_marginals(outputs, requests, marginals)
+
+
+def test_the_sampled_chain_graphs_body_reads_nothing_back_to_the_host():
+    """As tests/test_graphs.py checks the greedy chain's: on the meta device any host read fails."""
+    from tests.test_graphs import load_tiny
+
+    model = load_tiny("llama")
+    head = feature_drafter("eagle3", model, 2)
+    model.to("meta")
+    head.model.to("meta")
+    head.cache.k, head.cache.v = head.cache.k.to("meta"), head.cache.v.to("meta")
+    head.next_feature, head.next_logits = head.next_feature.to("meta"), head.next_logits.to("meta")
+    head.draft_ids = head.draft_ids.to("meta")
+    meta = torch.device("meta")
+    with torch.inference_mode():
+        rows = RowSampling(
+            torch.ones(2, device=meta), torch.zeros(2, dtype=torch.long, device=meta), torch.ones(2, device=meta)
+        )
+        inputs = torch.zeros(2, 2, dtype=torch.long, device=meta)
+        drawn = torch.zeros(2, 3, dtype=torch.float64, device=meta)
+        tokens, probs = head.static_sampled_chain(inputs, drawn, rows.temperature, rows.top_k, rows.top_p, steps=2)
+    assert tokens.shape == (2, 3) and probs.shape == (2, 3, head.model.config.draft_vocab_size)

@@ -271,3 +271,17 @@ def test_on_cuda_greedy_through_prefill_graphs_equals_eager_prefill(kind):
         if tokens:
             assert engine.prefill_graphs.replays > 0 and not engine.prefill_graphs.fallbacks
     assert served[0] == served[1]
+
+
+def test_the_pieces_read_nothing_back_to_the_host():
+    """On the meta device any .tolist(), .item() or host copy fails: capturing every piece of every
+    bucket there (the stand-in runs each body once) shows none has one, so no capture can hit a
+    device synchronisation."""
+    model = load_tiny("qwen3")
+    cache = model.new_cache(2, 32)
+    model.to("meta")
+    cache.k, cache.v = cache.k.to("meta"), cache.v.to("meta")
+    with torch.inference_mode():
+        graphs = PrefillGraphs(model, cache, FakePrefillBackend(), 48, 2, (0, 1))
+    assert graphs.captures == 4 * (len(model.layers) + 1)
+    assert graphs.buffers.logits.device.type == "meta"
