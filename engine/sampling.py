@@ -12,6 +12,7 @@ chain of sampled drafts or a batch of verifications costs one read back, not one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -178,3 +179,14 @@ def draw_by_row(probs: Tensor, u: Tensor) -> Tensor:
 def uniforms(generators: Seq[torch.Generator | None], count: int, device: torch.device) -> Tensor:
     """[rows, count] float64 uniforms, each row drawn from its own generator on the device."""
     return torch.stack([torch.rand(count, generator=g, dtype=torch.float64, device=device) for g in generators])
+
+
+def draw_rows(
+    logits: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None]
+) -> tuple[Tensor, Tensor]:
+    """A token at every position of logits [rows, ..., V], row i drawn under params[i] from
+    generators[i] (a draw a position, in order): the tokens [rows, ...] and the probabilities they
+    were drawn from [rows, ..., V], with device operators only."""
+    probs = probs_by_row(logits, RowSampling.of(params, logits.device))
+    u = uniforms(generators, math.prod(probs.shape[1:-1]), logits.device)
+    return draw_by_row(probs.reshape(-1, probs.shape[-1]), u.flatten()).view(probs.shape[:-1]), probs

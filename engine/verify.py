@@ -71,9 +71,8 @@ def judge_by_row(logits: Tensor, seqs: Seq[Sequence], proposals: Seq[Proposal], 
     device, n = logits.device, max(len(p.tokens) for p in proposals)
     p = probs_by_row(logits[:, : n + 1], RowSampling.of([s.params for s in seqs], device)).double()
     counts = torch.tensor([len(x.tokens) for x in proposals], device=device)
-    drafts = torch.tensor([x.tokens + [0] * (n - len(x.tokens)) for x in proposals], device=device).view(
-        len(proposals), n
-    )
+    padded = [x.tokens + [0] * (n - len(x.tokens)) for x in proposals]
+    drafts = torch.tensor(padded, dtype=torch.long, device=device).view(len(proposals), n)
     q = torch.zeros_like(p[:, :n])
     for row, proposal in enumerate(proposals):  # a deterministic drafter's q is one-hot
         if proposal.probs is not None:

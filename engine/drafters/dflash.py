@@ -25,7 +25,7 @@ from engine.model.transformer import Transformer, side_by_side
 from engine.native.build import available, library
 from engine.native.dflash import NativeDFlash
 from engine.request import Sequence
-from engine.sampling import RowSampling, draw_by_row, probs_by_row, sample, target_probs, uniforms
+from engine.sampling import draw_rows, sample, target_probs
 
 
 class DFlashDrafter(Drafter):
@@ -165,11 +165,8 @@ class DFlashDrafter(Drafter):
     def sample_blocks(self, seqs: Seq[Sequence], logits: Tensor, ks: Seq[int]) -> list[Proposal]:
         """Sampled rows' first ks[row] drafts drawn together with device operators (logits [rows,
         drafts, draft vocab]), every draw from the row's own generator: one read back for them all."""
-        device = logits.device
-        q = probs_by_row(logits, RowSampling.of([s.params for s in seqs], device))
-        rows, drafts = q.shape[:2]
-        u = uniforms([s.generator for s in seqs], drafts, device)
-        drawn = self.draft_ids[draw_by_row(q.flatten(0, 1), u.flatten()).view(rows, drafts)]
+        ids, q = draw_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        drawn = self.draft_ids[ids]
         confidence = q.amax(dim=-1).cumprod(dim=-1).double()
         tokens, confidence = torch.stack((drawn.double(), confidence)).tolist()
         full = self.model.full_probabilities(q, self.draft_ids)

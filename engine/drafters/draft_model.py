@@ -19,7 +19,7 @@ from engine.model.kv_cache import KVCache
 from engine.model.transformer import Transformer
 from engine.native.forward import NativeForward
 from engine.request import Sequence
-from engine.sampling import RowSampling, draw_by_row, probs_by_row, sample, target_probs, uniforms
+from engine.sampling import draw_rows, sample, target_probs
 
 
 class Int8Linear(nn.Module):
@@ -121,10 +121,9 @@ class DraftModelDrafter(Drafter):
             sampled = [row for row, i in enumerate(active) if not seqs[i].params.greedy]
             if sampled and self.samples_on_device:
                 # The step's sampled rows drawn together on the device: one read back a step, not a row.
-                rows, device = [seqs[active[row]] for row in sampled], logits.device
-                q = probs_by_row(logits[sampled], RowSampling.of([s.params for s in rows], device))
-                u = uniforms([s.generator for s in rows], 1, device)[:, 0]
-                chosen = chosen.index_copy(0, torch.tensor(sampled, device=device), draw_by_row(q, u))
+                rows = [seqs[active[row]] for row in sampled]
+                tokens, q = draw_rows(logits[sampled], [s.params for s in rows], [s.generator for s in rows])
+                chosen = chosen.index_copy(0, torch.tensor(sampled, device=logits.device), tokens)
                 drawn = dict(zip(sampled, q))
             picked = chosen.tolist()
             for row, i in enumerate(active):
