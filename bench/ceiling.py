@@ -1,7 +1,7 @@
 """What would a drafter that is never wrong serve on this machine? The ceiling for any drafter.
 
     python -m bench.ceiling --workload bench/workloads/suite/code-greedy.heldout.jsonl \\
-        [--ks 1,3,5,7] [--modes none,static:3+drafter=dflash] [--repeats 3]
+        [--ks 1,3,5,7] [--modes none,static:3+drafter=dflash] [--paying eagle3,dflash] [--repeats 3]
 
 Every request (greedy only) is first decoded by the target alone. `oracle:K` then serves it with
 a drafter that proposes the next K tokens of that very output, at no cost of its own: every
@@ -10,6 +10,11 @@ round's own work. It runs side by side with `--modes` (bench.spec's modes), a ro
 so its tokens per second over target-only (`none`) bound what any drafter could reach here at
 that k, prefill included: a bar above it cannot be met by a better drafter, only by a cheaper
 target forward.
+
+With --paying KIND, `oracle:K+paying=KIND` is the same oracle paying for a real drafter of that
+kind (the config's checkpoint) as it drafts: the drafter is admitted, drafts K tokens a round with
+no confidence cut, and is told what was kept, as when it serves, but the oracle's tokens are
+verified. That bounds what any drafter of that shape and cost could reach, however well trained.
 """
 
 from __future__ import annotations
@@ -26,30 +31,36 @@ from bench.spec import bench_snapshot, build_controller, drafters_of, mode_snaps
 from bench.spec import make_parser as spec_parser
 from bench.workload import WorkItem, read_workload
 from control.arguments import integers
-from control.assemble import Models, load_models
+from control.assemble import Models, build_drafter, load_models
 from control.snapshot import ConfigSnapshot
 from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.controller import Controller
 from engine.core import Engine
 from engine.drafters.base import Drafter, Proposal
 from engine.generate import generate
+from engine.model.config import DRAFTERS
 from engine.request import Sequence
 
 
 class OracleDrafter(Drafter):
     """Proposes the target's own greedy output, known in advance: a bench's ceiling, never a
-    drafter to serve with (it has to have decoded the request already)."""
+    drafter to serve with (it has to have decoded the request already). With `paying`, a real
+    drafter does all its work beside it (its proposals dropped), so the round costs what it would."""
 
     name = "oracle"
-    capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], paying: Drafter | None = None) -> None:
         self.outputs = outputs
+        self.paying = paying
+        self.capture_layers: tuple[int, ...] = paying.capture_layers if paying is not None else ()
 
-    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
-        pass
+    def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
+        if self.paying is not None:
+            self.paying.admit(seqs, hidden)
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int], rule: ConfidenceRule = EVERY_DRAFT) -> list[Proposal]:
+        if self.paying is not None:
+            self.paying.propose(seqs, ks, EVERY_DRAFT)
         proposals = []
         for seq, k in zip(seqs, ks):
             done = len(seq.output)
@@ -57,10 +68,12 @@ class OracleDrafter(Drafter):
         return proposals
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
-        pass
+        if self.paying is not None:
+            self.paying.accept(seqs, accepted, hidden)
 
     def release(self, seq: Sequence) -> None:
-        pass
+        if self.paying is not None:
+            self.paying.release(seq)
 
 
 def target_outputs(models: Models, items: Seq[WorkItem]) -> dict[tuple[int, ...], list[int]]:
@@ -76,12 +89,21 @@ def target_outputs(models: Models, items: Seq[WorkItem]) -> dict[tuple[int, ...]
 
 
 def oracle_controller(
-    k: int, outputs: dict[tuple[int, ...], list[int]], snapshot: ConfigSnapshot, models: Models, max_seq_len: int
+    k: int,
+    outputs: dict[tuple[int, ...], list[int]],
+    snapshot: ConfigSnapshot,
+    models: Models,
+    max_seq_len: int,
+    paying: str | None = None,
 ) -> Controller:
-    """A static-k engine (batch 1) whose drafter is the oracle, its policy that of `static:K`."""
+    """A static-k engine (batch 1) whose drafter is the oracle, paying for a drafter of kind
+    `paying` if one is named; its policy that of `static:K`."""
+    drafter = None
+    if paying is not None:
+        drafter = build_drafter(mode_snapshot(snapshot, f"static:{k}+drafter={paying}").engine, models, 1, max_seq_len)
     engine = Engine(
         models.target,
-        OracleDrafter(outputs),
+        OracleDrafter(outputs, drafter),
         1,
         max_seq_len,
         [k],
@@ -99,6 +121,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ks", type=integers(1, 64), default=[1, 3, 5, 7], help="the oracle's draft lengths, comma-separated"
     )
+    parser.add_argument(
+        "--paying",
+        type=lambda text: [kind.strip() for kind in text.split(",") if kind.strip()],
+        default=[],
+        help="drafter kinds whose work the oracle also pays for (oracle:K+paying=KIND), comma-separated",
+    )
     return parser
 
 
@@ -115,21 +143,30 @@ def main(argv: list[str] | None = None) -> None:
     snapshot = bench_snapshot(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ks = args.ks
-    models = load_models(snapshot, kinds=drafters_of(modes))
+    kinds = [kind for kind in DRAFTERS if kind != "none"]
+    unknown = [kind for kind in args.paying if kind not in kinds]
+    if unknown:
+        parser.error(f"--paying: {unknown[0]!r} is not a drafter ({', '.join(kinds)})")
+    models = load_models(snapshot, kinds=drafters_of(modes) | set(args.paying))
     outputs = target_outputs(models, items)
     warm_up(snapshot, models, items, 1, args.max_seq_len)
     factories = {m: partial(build_controller, m, snapshot, models, 1, args.max_seq_len) for m in modes}
     for k in ks:
         factories[f"oracle:{k}"] = partial(oracle_controller, k, outputs, snapshot, models, args.max_seq_len)
+        for kind in args.paying:
+            factories[f"oracle:{k}+paying={kind}"] = partial(
+                oracle_controller, k, outputs, snapshot, models, args.max_seq_len, kind
+            )
     reports = run_controllers(factories, items, models.target.tokenizer, 1, args.repeats)
     print_table(reports)
     if "none" in reports:
         base = reports["none"]
-        for k in ks:
-            oracle = reports[f"oracle:{k}"]
+        for name, oracle in reports.items():
+            if not name.startswith("oracle:"):
+                continue
             ratio = (oracle.tokens / oracle.seconds) / (base.tokens / base.seconds)
             runs = ", ".join(f"{a / b:.2f}" for a, b in zip(oracle.runs, base.runs))
-            print(f"ceiling at k = {k}: {ratio:.2f}x none (runs {runs})")
+            print(f"ceiling of {name}: {ratio:.2f}x none (runs {runs})")
     if args.json:
         write_reports(args.json, reports)
 

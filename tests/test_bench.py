@@ -221,7 +221,26 @@ def test_the_ceiling_keeps_every_draft_of_the_oracle_and_emits_the_target_only_o
     ]
     assert report["oracle:3"]["k_histogram"] == {"3": sum(math.ceil((n - 1) / 4) for n in lengths)}
     assert report["oracle:3"]["mean_accepted_drafts"] > report["static:3"]["mean_accepted_drafts"]
-    assert "ceiling at k = 3: " in capsys.readouterr().out
+    assert "ceiling of oracle:3: " in capsys.readouterr().out
+
+
+def test_the_ceiling_paying_for_a_drafter_keeps_the_oracles_drafts_and_runs_the_drafters_work(tmp_path, capsys):
+    lines = [{"prompt": "w3 w4 w5 w3 w4", "max_tokens": 25}, {"prompt": "w9 w8", "max_tokens": 17}]
+    target, draft, workload = tiny_setup(tmp_path, lines, draft_scale=0.2)
+    out = tmp_path / "out.json"
+    ceiling_main(
+        ["--workload", str(workload), "--modes", "none", "--ks", "3", "--paying", "draft_model", "--repeats", "1"]
+        + ["--target", str(target), "--draft", str(draft), "--max-seq-len", "64", "--json", str(out)]
+    )
+    report = json.loads(out.read_text())["modes"]
+    paying, free = report["oracle:3+paying=draft_model"], report["oracle:3"]
+    assert paying["tokens"] == free["tokens"] == report["none"]["tokens"]
+    assert paying["k_histogram"] == free["k_histogram"]
+    # Three draft-model steps a round against slicing a list: the drafter's forwards did run.
+    assert paying["round_ms"]["draft"] > 10 * free["round_ms"]["draft"]
+    assert "ceiling of oracle:3+paying=draft_model: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ceiling_main(["--workload", str(workload), "--paying", "oracle", "--target", str(target)])
 
 
 def test_the_ceiling_refuses_sampled_requests(tmp_path):
