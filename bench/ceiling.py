@@ -15,6 +15,11 @@ With --paying KIND, `oracle:K+paying=KIND` is the same oracle paying for a real 
 kind (the config's checkpoint) as it drafts: the drafter is admitted, drafts K tokens a round with
 no confidence cut, and is told what was kept, as when it serves, but the oracle's tokens are
 verified. That bounds what any drafter of that shape and cost could reach, however well trained.
+
+With --copies, `copies:K` drafts only what a copy of the context could get right: at each round,
+of the target's next K tokens, as many as some run of tokens already in the prompt or the output
+matches, whichever earlier position matches longest. That bounds every prompt-lookup drafter (the
+n-gram drafter, llama.cpp's lookup), whatever its rule for choosing where to copy from, at no cost.
 """
 
 from __future__ import annotations
@@ -49,9 +54,15 @@ class OracleDrafter(Drafter):
 
     name = "oracle"
 
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]], paying: Drafter | None = None) -> None:
+    def __init__(
+        self,
+        outputs: dict[tuple[int, ...], list[int]],
+        paying: Drafter | None = None,
+        reach: dict[tuple[int, ...], list[int]] | None = None,
+    ) -> None:
         self.outputs = outputs
         self.paying = paying
+        self.reach = reach  # where set, how many drafts at each point of an output it may propose
         self.capture_layers: tuple[int, ...] = paying.capture_layers if paying is not None else ()
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor]) -> None:
@@ -63,8 +74,9 @@ class OracleDrafter(Drafter):
             self.paying.propose(seqs, ks, EVERY_DRAFT)
         proposals = []
         for seq, k in zip(seqs, ks):
-            done = len(seq.output)
-            proposals.append(Proposal(self.outputs[seq.request.prompt][done : done + k]))
+            done, prompt = len(seq.output), seq.request.prompt
+            most = k if self.reach is None else min(k, self.reach[prompt][done])
+            proposals.append(Proposal(self.outputs[prompt][done : done + most]))
         return proposals
 
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
@@ -88,6 +100,25 @@ def target_outputs(models: Models, items: Seq[WorkItem]) -> dict[tuple[int, ...]
     return outputs
 
 
+def copyable(prompt: Seq[int], output: Seq[int], most: int) -> list[int]:
+    """At each point d of `output`, how many of its next tokens (up to `most`) a copy of tokens
+    already there (the prompt and output[:d]) gets right, from the earlier position that matches
+    longest."""
+    text, reach = [*prompt, *output], []
+    for done in range(len(output)):
+        end, want = len(prompt) + done, output[done : done + most]
+        best = 0
+        for start in range(end):
+            n = 0
+            while n < len(want) and start + n < end and text[start + n] == want[n]:
+                n += 1
+            best = max(best, n)
+            if best == len(want):
+                break
+        reach.append(best)
+    return reach
+
+
 def oracle_controller(
     k: int,
     outputs: dict[tuple[int, ...], list[int]],
@@ -95,15 +126,17 @@ def oracle_controller(
     models: Models,
     max_seq_len: int,
     paying: str | None = None,
+    reach: dict[tuple[int, ...], list[int]] | None = None,
 ) -> Controller:
     """A static-k engine (batch 1) whose drafter is the oracle, paying for a drafter of kind
-    `paying` if one is named; its policy that of `static:K`."""
+    `paying` if one is named, drafting only what a copy gets right where `reach` says it; its
+    policy that of `static:K`."""
     drafter = None
     if paying is not None:
         drafter = build_drafter(mode_snapshot(snapshot, f"static:{k}+drafter={paying}").engine, models, 1, max_seq_len)
     engine = Engine(
         models.target,
-        OracleDrafter(outputs, drafter),
+        OracleDrafter(outputs, drafter, reach),
         1,
         max_seq_len,
         [k],
@@ -126,6 +159,9 @@ def make_parser() -> argparse.ArgumentParser:
         type=lambda text: [kind.strip() for kind in text.split(",") if kind.strip()],
         default=[],
         help="drafter kinds whose work the oracle also pays for (oracle:K+paying=KIND), comma-separated",
+    )
+    parser.add_argument(
+        "--copies", action="store_true", help="also copies:K, the oracle drafting only what a copy gets right"
     )
     return parser
 
@@ -157,12 +193,19 @@ def main(argv: list[str] | None = None) -> None:
             factories[f"oracle:{k}+paying={kind}"] = partial(
                 oracle_controller, k, outputs, snapshot, models, args.max_seq_len, kind
             )
+    if args.copies:
+        most = max(ks)
+        reach = {prompt: copyable(prompt, output, most) for prompt, output in outputs.items()}
+        for k in ks:
+            factories[f"copies:{k}"] = partial(
+                oracle_controller, k, outputs, snapshot, models, args.max_seq_len, None, reach
+            )
     reports = run_controllers(factories, items, models.target.tokenizer, 1, args.repeats)
     print_table(reports)
     if "none" in reports:
         base = reports["none"]
         for name, oracle in reports.items():
-            if not name.startswith("oracle:"):
+            if not name.startswith(("oracle:", "copies:")):
                 continue
             ratio = (oracle.tokens / oracle.seconds) / (base.tokens / base.seconds)
             runs = ", ".join(f"{a / b:.2f}" for a, b in zip(oracle.runs, base.runs))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.ceiling import copyable
 from bench.ceiling import main as ceiling_main
 from bench.published import SMOLLM2
 from bench.report import ModeReport
@@ -241,6 +242,30 @@ def test_the_ceiling_paying_for_a_drafter_keeps_the_oracles_drafts_and_runs_the_
     assert "ceiling of oracle:3+paying=draft_model: " in capsys.readouterr().out
     with pytest.raises(SystemExit):
         ceiling_main(["--workload", str(workload), "--paying", "oracle", "--target", str(target)])
+
+
+def test_copies_drafts_what_a_copy_of_the_context_gets_right():
+    prompt, output = [1, 2, 3, 4, 1, 2], [3, 4, 9, 1, 2, 3, 7]
+    # At 0: "3 4" is in the prompt, "9" is not; at 3: "1 2 3" is; at 6: "7" never came before.
+    assert copyable(prompt, output, 3) == [2, 1, 0, 3, 2, 1, 0]
+    # The match may not run into the tokens not yet there.
+    assert copyable([5, 6], [5, 6, 5, 6], 4) == [2, 2, 2, 1]
+
+
+def test_the_ceiling_of_copies_emits_the_target_only_output_keeping_every_draft(tmp_path, capsys):
+    lines = [{"prompt": "w3 w4 w5 w3 w4 w5 w3", "max_tokens": 25}, {"prompt": "w9 w8", "max_tokens": 17}]
+    target, draft, workload = tiny_setup(tmp_path, lines, draft_scale=0.2)
+    out = tmp_path / "out.json"
+    ceiling_main(
+        ["--workload", str(workload), "--modes", "none", "--ks", "3", "--copies", "--repeats", "1"]
+        + ["--target", str(target), "--draft", str(draft), "--max-seq-len", "64", "--json", str(out)]
+    )
+    report = json.loads(out.read_text())["modes"]
+    copies, oracle = report["copies:3"], report["oracle:3"]
+    assert copies["tokens"] == oracle["tokens"] == report["none"]["tokens"]
+    assert copies["mean_accepted_drafts"] < oracle["mean_accepted_drafts"]
+    assert sum(copies["k_histogram"].values()) > sum(oracle["k_histogram"].values())
+    assert "ceiling of copies:3: " in capsys.readouterr().out
 
 
 def test_the_ceiling_refuses_sampled_requests(tmp_path):
