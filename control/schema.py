@@ -168,9 +168,10 @@ SCHEMA: Mapping[str, Section] = {
                            " may lose", lo=0, lo_open=True, hi=1),
         "exploration_backoff": Key("float", 2.0, "measured: how many times longer each further try of a"
                                    " shorter k that lost again waits", lo=1),
-        "draft_confidence": Key("float", 0.1, "every strategy, with the dflash and eagle3 drafters: verify a"
+        "draft_confidence": Key("float", 0.1, "every strategy, with the dflash, eagle3 and n-gram drafters: verify a"
                                 " draft only while the drafter is at least this sure: dflash of the drafts so"
-                                " far (their product), eagle3 of each greedy draft; 0 = all k", lo=0, hi=1),
+                                " far (their product), eagle3 of each greedy draft, a lookup of the drafts so far after"
+                                " as long a match; 0 = all k", lo=0, hi=1),
         "per_sequence": Key("bool", False, "positional: each running sequence drafts a k of its own, by how often"
                             " its own drafts are kept at each position; false = one k for the whole batch"),
         "slots": Key("slots", (), "every strategy: candidate lists by batch size ([[adaptive.slots]])"),

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.checkpoint import load_checkpoint
+from engine.confidence import ConfidenceRule
 from engine.core import Engine
 from engine.drafters.draft_model import DraftModelDrafter, HybridDrafter, Int8Linear
 from engine.drafters.ngram import LookupHistory, NgramDrafter, matched, ngram_hash, window_hashes
@@ -632,3 +633,57 @@ def test_a_repeated_request_drafts_what_the_first_one_wrote_and_stays_lossless(p
         assert [outputs[r.id] for r in requests] == expected
         rounds.append(engine.round - started)
     assert rounds[1] < rounds[0]  # the second time, every chain was what the target writes
+
+
+def test_a_lookups_confidence_is_how_often_drafts_after_as_long_a_match_were_kept():
+    """A weak lookup (its match one token long) that the target keeps rejecting is cut by the floor
+    before the target sees it; a strong one (eight tokens or more) that it keeps is verified whole."""
+    drafter = NgramDrafter(1, 4)
+    floor = ConfidenceRule(0.1)
+    weak = Sequence(Request((9,)), slot=0, generator=None, tokens=[1, 2, 3, 4, 5, 6, 9, 1])  # "1" seen once
+    strong = Sequence(Request((9,)), slot=1, generator=None, tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8])
+    drafter.admit([weak, strong])
+    first = drafter.propose([weak, strong], [4, 4])
+    assert [p.tokens for p in first] == [[2, 3, 4, 5], [9, 1, 2, 3]]
+    assert first[0].confidence == first[1].confidence  # nothing counted yet: the prior alone
+    for _ in range(20):
+        weak_draft, strong_draft = drafter.propose([weak, strong], [4, 4])
+        drafter.accept([weak, strong], [0, len(strong_draft.tokens)])
+    weak_draft, strong_draft = drafter.propose([weak, strong], [4, 4])
+    assert weak_draft.confidence[0] < 0.1 < 0.9 < strong_draft.confidence[-1]
+    for proposal in (weak_draft, strong_draft):
+        proposal.cut(floor)
+    assert weak_draft.tokens == [] and strong_draft.tokens == [9, 1, 2, 3]
+    # Only what a round verified is counted: a draft cut before the target saw it says nothing.
+    drafter.accept([weak], [0])
+    assert drafter.chances.reached[(True, 1)][1:] == [0.0] * 3
+    drafter.release(weak)
+    drafter.release(strong)
+    assert drafter.proposed == {}
+
+
+def test_lookups_cut_by_their_confidence_stay_lossless_and_verify_fewer_drafts(pair):
+    from control.schema import policy_params
+    from engine.controller import Controller
+
+    target, _ = pair
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    expected = [c.tokens for c in generate(target, PROMPTS, params)]
+    verified = {}
+    for floor in (0.0, 0.3):
+        policy = policy_params(strategy="positional", candidate_k=(0, 3, 5), draft_confidence=floor)
+        controller = Controller(Engine(target, NgramDrafter(1, 4), 4, MAX_SEQ_LEN, (0, 3, 5)), policy)
+        requests = [Request(tuple(p), params) for p in PROMPTS]
+        for request in requests:
+            controller.engine.add_request(request)
+        outputs: dict[str, list[int]] = {r.id: [] for r in requests}
+        drafts = rounds = 0
+        while controller.engine.has_work:
+            result = controller.step()
+            for out in result.outputs:
+                outputs[out.request_id] += out.new_tokens
+                drafts += out.drafts_proposed if out.verified else 0
+            rounds += bool(result.batch_size)
+        assert [outputs[r.id] for r in requests] == expected
+        verified[floor] = drafts / rounds
+    assert verified[0.3] < verified[0.0]
