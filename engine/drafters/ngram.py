@@ -332,10 +332,6 @@ class LookupFirst:
             lookup.confidence = None
         return [lookup if lookup.tokens else proposal for lookup, proposal in zip(found, drafted)]
 
-    def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor]) -> None:
-        super().accept(seqs, accepted, hidden)  # type: ignore[misc]
-        self.lookups.accept(seqs, accepted)
-
     def release(self, seq: Sequence) -> None:
         super().release(seq)  # type: ignore[misc]
         self.lookups.release(seq)
