@@ -17,6 +17,7 @@ from engine.controller import Controller, SwitchObserver
 from engine.core import Engine
 from engine.device.backend import backend_for
 from engine.device.graphs import default_batch_sizes
+from engine.device.prefill import eager_prefill
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter
 from engine.drafters.dflash import DFlashDrafter, HybridDFlashDrafter
@@ -160,14 +161,9 @@ def build_controller(
     # A sharded target's forwards reach the other ranks through its forward hook (engine/parallel.py
     # `Leader`); a replayed graph would run on rank 0 alone.
     graphs = settings.tensor_parallel == 1
-    if not settings.prefill_graph_tokens:
-        prefill = "prefill eagerly (prefill_graph_tokens = 0)"
-    elif backend.prefill_graphs_off:
-        prefill = f"prefill eagerly: {backend.prefill_graphs_off}"
-    elif not graphs:
-        prefill = "prefill eagerly: a target split across ranks runs no graphs"
-    else:
-        prefill = f"capture prefill graphs up to {settings.prefill_graph_tokens} tokens"
+    most = settings.prefill_graph_tokens
+    why = eager_prefill(backend, most, None if graphs else "a target split across ranks runs no graphs")
+    prefill = f"prefill eagerly: {why}" if why else f"capture prefill graphs up to {most} tokens"
     with phase(f"allocate caches, {prefill}, build runtime state k={first}"):
         engine = Engine(
             models.target,

@@ -33,7 +33,7 @@ from engine.confidence import EVERY_DRAFT, ConfidenceRule
 from engine.detokenize import OutputText
 from engine.device.backend import Backend, backend_for
 from engine.device.graphs import ForwardMode, GraphRunner, GraphSet, default_batch_sizes
-from engine.device.prefill import DEFAULT_MAX_TOKENS, PrefillGraphs
+from engine.device.prefill import DEFAULT_MAX_TOKENS, PrefillGraphs, eager_prefill
 from engine.drafters.base import Drafter, Proposal
 from engine.model.transformer import Captured
 from engine.request import Request, Sequence, finish_reason
@@ -167,7 +167,7 @@ class Engine:
         # Prompts through piecewise graphs, where the backend allows them (it says why not).
         self.prefill_graphs: PrefillGraphs | None = None
         most = min(prefill_graph_tokens, max_batch_size * max_seq_len)
-        if self.graph_runner is not None and most > 0 and self.backend.prefill_graphs_off is None:
+        if self.graph_runner is not None and eager_prefill(self.backend, most) is None:
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.cache, self.backend, most, max_batch_size, self.capture_layers
             )

@@ -48,6 +48,18 @@ SMALLEST_BUCKET = 16
 DEFAULT_MAX_TOKENS = 2048
 
 
+def eager_prefill(backend: Backend, max_tokens: int, graphs_off: str | None = None) -> str | None:
+    """Why prompts are prefilled eagerly rather than through these graphs, or None where they are
+    not; `graphs_off` is the caller's reason for running no graphs at all, if it has one."""
+    if max_tokens <= 0:
+        return "prefill_graph_tokens = 0"
+    if backend.prefill_graphs_off is not None:
+        return backend.prefill_graphs_off
+    if not backend.supports_graphs:
+        return "no graphs on this device"
+    return graphs_off
+
+
 def token_buckets(max_tokens: int) -> list[int]:
     """16, 24, 32, 48, 64, 96, ... up to max_tokens, which is always one: each step is 1.5x or
     1.33x the one before, so a prefill pads at most a third of its tokens."""
