@@ -127,13 +127,10 @@ class DraftModelDrafter(Drafter):
                 drawn = dict(zip(sampled, q))
             picked = chosen.tolist()
             for row, i in enumerate(active):
-                seq = seqs[i]
-                if seq.params.greedy:
-                    token = picked[row]
-                elif row in drawn:
-                    token = picked[row]
+                seq, token = seqs[i], picked[row]
+                if row in drawn:
                     probs[i].append(drawn[row])
-                else:
+                elif not seq.params.greedy:
                     q = target_probs(logits[row], seq.params)
                     token = sample(q, seq.generator)
                     probs[i].append(q)
