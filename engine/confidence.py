@@ -36,3 +36,26 @@ class ConfidenceRule:
 
 
 EVERY_DRAFT = ConfidenceRule()
+
+
+def count_chain(reached: list[float], kept_at: list[float], kept: int, proposed: int, weight: float = 1.0) -> None:
+    """Count one chain in per-position tallies (index j is draft position j; 0 is unused): the
+    positions it reached, and whether it kept each. Positions past the tallies are not counted."""
+    top = len(reached) - 1
+    for j in range(1, min(kept, top) + 1):
+        reached[j] += weight
+        kept_at[j] += weight
+    if kept < min(proposed, top):
+        reached[kept + 1] += weight
+
+
+def keep_ratios(reached: Sequence[float], kept: Sequence[float], prior: float, positions: int) -> list[float]:
+    """The chance that a chain which reached draft position j keeps its draft there, for j = 1 ..
+    positions (index 0 holds 1): the tallies' ratio, with `prior` chains believed as likely kept as
+    at the position before (at the first, half the time); past the tallies, the prior alone."""
+    ratios, previous = [1.0], 0.5
+    for j in range(1, positions + 1):
+        seen, hit = (reached[j], kept[j]) if j < len(reached) else (0.0, 0.0)
+        previous = (hit + prior * previous) / (seen + prior)
+        ratios.append(previous)
+    return ratios

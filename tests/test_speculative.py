@@ -656,7 +656,7 @@ def test_a_lookups_confidence_is_how_often_drafts_after_as_long_a_match_were_kep
     assert weak_draft.tokens == [] and strong_draft.tokens == [9, 1, 2, 3]
     # Only what a round verified is counted: a draft cut before the target saw it says nothing.
     drafter.accept([weak], [0])
-    assert drafter.chances.reached[(True, 1)][1:] == [0.0] * 3
+    assert drafter.chances.reached[(True, 1)][2:] == [0.0] * 3
     drafter.release(weak)
     drafter.release(strong)
     assert drafter.proposed == {}

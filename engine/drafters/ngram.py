@@ -4,6 +4,7 @@ alone or in front of a model drafter."""
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from engine.confidence import EVERY_DRAFT, ConfidenceRule
+from engine.confidence import EVERY_DRAFT, ConfidenceRule, count_chain, keep_ratios
 from engine.drafters.base import Drafter, Proposal
 from engine.request import Sequence
 
@@ -179,8 +180,9 @@ class MatchChances:
     PRIOR = 2.0
 
     def __init__(self) -> None:
-        self.reached: dict[tuple[bool, int], list[float]] = {}  # kind -> lookups that reached position j
-        self.kept: dict[tuple[bool, int], list[float]] = {}  # kind -> of those, how many kept it
+        # kind -> at each draft position j (index j; 0 unused), lookups that reached it, and kept it
+        self.reached: dict[tuple[bool, int], list[float]] = {}
+        self.kept: dict[tuple[bool, int], list[float]] = {}
 
     @staticmethod
     def kind(greedy: bool, match: int) -> tuple[bool, int]:
@@ -189,25 +191,17 @@ class MatchChances:
         return greedy, match if match < 4 else 4 if match < 8 else 5
 
     def confidence(self, kind: tuple[bool, int], n: int) -> list[float]:
-        reached, kept = self.reached.get(kind, []), self.kept.get(kind, [])
-        out, chance, ratio = [], 1.0, 0.5
-        for j in range(n):
-            seen, hit = (reached[j], kept[j]) if j < len(reached) else (0.0, 0.0)
-            ratio = (hit + self.PRIOR * ratio) / (seen + self.PRIOR)
-            chance *= ratio
-            out.append(chance)
-        return out
+        ratios = keep_ratios(self.reached.get(kind, [0.0]), self.kept.get(kind, [0.0]), self.PRIOR, n)
+        return list(itertools.accumulate(ratios[1:], operator.mul))
 
     def count(self, kind: tuple[bool, int], verified: int, accepted: int) -> None:
-        reached = self.reached.setdefault(kind, [])
-        kept = self.kept.setdefault(kind, [])
-        while len(reached) < verified:
+        reached = self.reached.setdefault(kind, [0.0])
+        kept = self.kept.setdefault(kind, [0.0])
+        while len(reached) <= verified:
             reached.append(0.0)
             kept.append(0.0)
-        for j in range(min(accepted + 1, verified)):
-            reached[j] += 1
-            kept[j] += j < accepted
-        if reached and reached[0] >= self.WINDOW:
+        count_chain(reached, kept, accepted, verified)
+        if len(reached) > 1 and reached[1] >= self.WINDOW:
             self.reached[kind] = [n / 2 for n in reached]
             self.kept[kind] = [n / 2 for n in kept]
 

@@ -9,6 +9,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
+from engine.confidence import count_chain, keep_ratios
 from engine.policy.contracts import Decision, Observation, RoundProfile
 from engine.policy.params import PolicyParams
 from engine.policy.schedule import MAX_SPACING, START_K, WINDOW_ROUNDS, Schedule
@@ -105,12 +106,7 @@ class PositionalPolicy(Schedule):
     def keep_ratios(self) -> list[float]:
         """The chance that a sequence which reached draft position j keeps its draft there, for
         j = 1 .. the largest candidate (index 0 holds 1)."""
-        ratios, previous = [1.0], 0.5
-        prior = PRIOR_WEIGHT * self.weight
-        for j in range(1, len(self.reached)):
-            previous = (self.kept[j] + prior * previous) / (self.reached[j] + prior)
-            ratios.append(previous)
-        return ratios
+        return keep_ratios(self.reached, self.kept, PRIOR_WEIGHT * self.weight, len(self.reached) - 1)
 
     def keep_chances(self) -> list[float]:
         """The chance that a sequence keeps at least j drafts, for j = 0 .. the largest candidate."""
@@ -184,11 +180,12 @@ class PositionalPolicy(Schedule):
             self.kept = [n / self.weight for n in self.kept]
             self.weight = 1.0
         for kept, proposed in zip(observation.accepted, observation.proposed):
-            count(self.reached, self.kept, kept, proposed, self.weight)
+            # A pinned k may run beyond the candidates: positions past them are not counted.
+            count_chain(self.reached, self.kept, kept, proposed, self.weight)
         if self.params.per_sequence:
             size = len(self.reached)
             for request, kept, proposed in zip(observation.ids, observation.accepted, observation.proposed):
-                count(*self.rows.setdefault(request, ([0.0] * size, [0.0] * size)), kept, proposed, 1.0)
+                count_chain(*self.rows.setdefault(request, ([0.0] * size, [0.0] * size)), kept, proposed)
         b = observation.batch_size
         served = self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
         first, self.after_zero = self.after_zero, False
@@ -359,16 +356,6 @@ class PositionalPolicy(Schedule):
         self.kept = (self.kept + [0.0] * size)[:size]
         self.serving, self.trying = self._k, 0
         self.rows, self.plan, self.planned = {}, None, ((), -1)  # the positions may differ now
-
-
-def count(reached: list[float], kept_at: list[float], kept: int, proposed: int, weight: float) -> None:
-    """Count one chain: the positions it reached, and whether it kept each."""
-    top = len(reached) - 1  # a pinned k may run beyond the candidates: positions past them are not counted
-    for j in range(1, min(kept, top) + 1):
-        reached[j] += weight
-        kept_at[j] += weight
-    if kept < min(proposed, top):
-        reached[kept + 1] += weight
 
 
 def interpolate(values: dict[int, float], x: float) -> float | None:
