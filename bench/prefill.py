@@ -27,6 +27,7 @@ from control.arguments import at_least
 from control.assemble import build_drafter, load_models
 from engine.core import Engine, StepResult
 from engine.device.backend import backend_for
+from engine.device.prefill import DEFAULT_MAX_TOKENS, eager_prefill
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -62,13 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     settings = replace(snapshot.engine, device=args.device)
     snapshot = replace(snapshot, engine=settings)
     backend = backend_for(args.device)
-    if backend.prefill_graphs_off:
-        raise SystemExit(f"bench.prefill: {args.device}: {backend.prefill_graphs_off}")
+    most = settings.prefill_graph_tokens or DEFAULT_MAX_TOKENS
+    if (why := eager_prefill(backend, most)) is not None:
+        raise SystemExit(f"bench.prefill: {args.device}: {why}")
     models = load_models(snapshot)
     tokenizer = models.target.tokenizer
     prompts = [tuple(tokenizer.encode(item.prompt).ids) for item in read_workload(PROMPTS)[: args.prompts]]
     engines = {}
-    for name, tokens in (("graphs", settings.prefill_graph_tokens or 2048), ("eager", 0)):
+    for name, tokens in (("graphs", most), ("eager", 0)):
         drafter = build_drafter(settings, models, 1, settings.max_seq_len)
         ks = [0, 3] if drafter is not None else [0]
         engines[name] = Engine(
