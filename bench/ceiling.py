@@ -147,6 +147,16 @@ def oracle_controller(
     return Controller(engine, static.policy, adaptive=False, static_k=k, initial_k=k)
 
 
+def drafter_kinds(text: str) -> list[str]:
+    """A comma-separated list of drafter kinds (`none` is no drafter)."""
+    kinds = [kind.strip() for kind in text.split(",") if kind.strip()]
+    known = [kind for kind in DRAFTERS if kind != "none"]
+    for kind in kinds:
+        if kind not in known:
+            raise argparse.ArgumentTypeError(f"{kind!r} is not a drafter ({', '.join(known)})")
+    return kinds
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = spec_parser()
     parser.description = __doc__
@@ -156,7 +166,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--paying",
-        type=lambda text: [kind.strip() for kind in text.split(",") if kind.strip()],
+        type=drafter_kinds,
         default=[],
         help="drafter kinds whose work the oracle also pays for (oracle:K+paying=KIND), comma-separated",
     )
@@ -179,10 +189,6 @@ def main(argv: list[str] | None = None) -> None:
     snapshot = bench_snapshot(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ks = args.ks
-    kinds = [kind for kind in DRAFTERS if kind != "none"]
-    unknown = [kind for kind in args.paying if kind not in kinds]
-    if unknown:
-        parser.error(f"--paying: {unknown[0]!r} is not a drafter ({', '.join(kinds)})")
     models = load_models(snapshot, kinds=drafters_of(modes) | set(args.paying))
     outputs = target_outputs(models, items)
     warm_up(snapshot, models, items, 1, args.max_seq_len)
