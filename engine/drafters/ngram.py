@@ -218,7 +218,7 @@ class NgramDrafter(Drafter):
     name = "ngram"
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, history: int = 0) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, history: int = 0, by_match: bool = True) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
@@ -226,7 +226,8 @@ class NgramDrafter(Drafter):
         self.history = LookupHistory(history) if history > 0 else None
         self.enabled = True  # False while the engine times what a hybrid's model costs
         self.full_width = False  # True while the engine times what each k costs (`timing`)
-        self.chances = MatchChances()
+        # Whether drafts carry their match's chances (`MatchChances`), so that a round's rule can cut them.
+        self.chances = MatchChances() if by_match else None
         self.proposed: dict[Sequence, tuple[tuple[bool, int], Proposal]] = {}  # each row's last lookup
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
@@ -238,10 +239,12 @@ class NgramDrafter(Drafter):
         proposals = []
         for seq, k in zip(seqs, ks):
             tokens, match = self.lookup(seq, k)
-            kind = self.chances.kind(seq.params.greedy, match)
-            proposal = Proposal(tokens, confidence=self.chances.confidence(kind, len(tokens)))
-            if tokens and not self.full_width:
-                self.proposed[seq] = (kind, proposal)
+            proposal = Proposal(tokens)
+            if self.chances is not None:
+                kind = self.chances.kind(seq.params.greedy, match)
+                proposal.confidence = self.chances.confidence(kind, len(tokens))
+                if tokens and not self.full_width:
+                    self.proposed[seq] = (kind, proposal)
             proposals.append(proposal)
         if self.full_width:
             # A timed round verifies all k drafts, what a round at k costs where lookups find them;
@@ -269,7 +272,7 @@ class NgramDrafter(Drafter):
     def accept(self, seqs: Seq[Sequence], accepted: Seq[int], hidden: dict[int, Tensor] | None = None) -> None:
         """Count how much of each row's lookup was kept, of what the round verified of it."""
         for seq, kept in zip(seqs, accepted):
-            if (last := self.proposed.pop(seq, None)) is not None:
+            if self.chances is not None and (last := self.proposed.pop(seq, None)) is not None:
                 kind, proposal = last
                 self.chances.count(kind, len(proposal.tokens), kept)
 
@@ -309,7 +312,10 @@ class LookupFirst:
 
     def __init__(self, *args: Any, min_n: int = 1, max_n: int = 4, history: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.lookups = NgramDrafter(min_n, max_n, history)
+        # In front of a model every lookup is verified whole: cut by its match, the workload suite's
+        # hybrid read 0.970x / 0.927x its best static k against 0.981x / 0.935x (held out,
+        # concurrency 1 / 4, docs/benchmarks.md): a weak lookup stands in for a model that would keep more.
+        self.lookups = NgramDrafter(min_n, max_n, history, by_match=False)
 
     def admit(self, seqs: Seq[Sequence], hidden: dict[int, Tensor] | None = None) -> None:
         super().admit(seqs, hidden)  # type: ignore[misc]
@@ -319,11 +325,6 @@ class LookupFirst:
         found = self.lookups.propose(seqs, [k if seq.params.greedy else 0 for seq, k in zip(seqs, ks)])
         rest = [0 if lookup.tokens else k for lookup, k in zip(found, ks)]
         drafted = super().propose(seqs, rest, rule)  # type: ignore[misc]
-        for lookup in found:
-            # In front of a model every lookup is verified whole: cut by its match, the workload
-            # suite's hybrid read 0.970x / 0.927x its best static k against 0.981x / 0.935x
-            # (held out, concurrency 1 / 4, docs/benchmarks.md).
-            lookup.confidence = None
         return [lookup if lookup.tokens else proposal for lookup, proposal in zip(found, drafted)]
 
     def release(self, seq: Sequence) -> None:
