@@ -15,14 +15,16 @@ from engine.policy.params import PolicyParams
 from engine.policy.schedule import MAX_SPACING, START_K, WINDOW_ROUNDS, Schedule
 
 # Rounds over which what was counted at a draft position loses half its weight: the traffic may
-# change, and a position reached only by tries keeps its count for a while.
-HALF_LIFE_ROUNDS = 64
+# change, and a position reached only by tries keeps its count for a while. How much is kept moves
+# from request to request too; following each request's share arrives late and serves k's the
+# average would not (64 rounds lost 1-1.5 points at concurrency 4 on the tuning half).
+HALF_LIFE_ROUNDS = 256
 # A position never reached is believed as likely kept as the one before it, with this weight in
 # sequences; the first position, half the time.
 PRIOR_WEIGHT = 2.0
 # Rounds a k's measured seconds stay current: what a round costs moves with the traffic too (the
 # context's length; a hybrid drafter's share of lookups), so k's are compared on recent rounds.
-FRESH_ROUNDS = 4 * HALF_LIFE_ROUNDS
+FRESH_ROUNDS = 256
 # A shorter k not timed before serving is tried only while fewer of its rounds than this are
 # current: the rounds served say its tokens exactly, so a try only measures its seconds, and
 # their median wants a few.
