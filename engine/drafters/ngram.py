@@ -240,10 +240,11 @@ class NgramDrafter(Drafter):
         for seq, k in zip(seqs, ks):
             tokens, match = self.lookup(seq, k)
             proposal = Proposal(tokens)
-            if self.chances is not None:
+            # A timed round is verified whole and counts nothing (`timing`).
+            if self.chances is not None and not self.full_width:
                 kind = self.chances.kind(seq.params.greedy, match)
                 proposal.confidence = self.chances.confidence(kind, len(tokens))
-                if tokens and not self.full_width:
+                if tokens:
                     self.proposed[seq] = (kind, proposal)
             proposals.append(proposal)
         if self.full_width:
@@ -251,7 +252,6 @@ class NgramDrafter(Drafter):
             # what fills them matters not (a verify costs the same whatever its tokens say).
             for proposal, k in zip(proposals, ks):
                 proposal.tokens += [0] * (k - len(proposal.tokens))
-                proposal.confidence = None
         return proposals
 
     def lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
