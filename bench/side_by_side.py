@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from bench.report import ModeReport
-from bench.workload import WorkItem
+from bench.workload import WorkItem, reseeded
 from engine.controller import Controller
 from engine.request import Request
 
@@ -96,10 +96,12 @@ def run_controllers(
     factories: dict[str, Callable[[], Controller]], items: list[WorkItem], tokenizer, concurrency: int, repeats: int
 ) -> dict[str, ModeReport]:
     """Serve `items` with the controller each factory builds, side by side, `repeats` times over,
-    each time on new engines; reports by factory name."""
+    each time on new engines and with new seeds for sampled requests (`reseeded`); reports by
+    factory name."""
     reports = {name: ModeReport() for name in factories}
     for repeat in range(repeats):
-        runs = {name: ModeRun(build(), items, tokenizer, concurrency) for name, build in factories.items()}
+        served = reseeded(items, repeat)
+        runs = {name: ModeRun(build(), served, tokenizer, concurrency) for name, build in factories.items()}
         run_side_by_side(list(runs.values()))
         for name, run in runs.items():
             reports[name].merge(run.report)

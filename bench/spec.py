@@ -180,7 +180,8 @@ def run_modes(
     max_seq_len: int,
     repeats: int = 1,
 ) -> dict[str, ModeReport]:
-    """Serve `items` with every mode side by side, `repeats` times over, each time on new engines."""
+    """Serve `items` with every mode side by side, `repeats` times over, each time on new engines
+    and with new seeds for sampled requests."""
     slots = widest(items, concurrency)
     factories = {mode: partial(build_controller, mode, snapshot, models, slots, max_seq_len) for mode in modes}
     return run_controllers(factories, items, models.target.tokenizer, concurrency, repeats)
@@ -202,7 +203,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", choices=DRAFTERS[:-1], default=None)
     parser.add_argument("--max-seq-len", type=at_least(2), default=1024)
     parser.add_argument(
-        "--repeats", type=at_least(1), default=2, help="runs of all the modes side by side; figures add up"
+        "--repeats",
+        type=at_least(1),
+        default=2,
+        help="runs of all the modes side by side, each with new seeds for sampled requests; figures add up",
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)

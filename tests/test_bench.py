@@ -141,6 +141,23 @@ def test_the_suite_serves_a_spread_of_each_workload_that_keeps_its_phases_in_ord
     assert spread(items, None) == items == spread(items, 20)
 
 
+def test_each_repeat_draws_new_texts_for_sampled_requests_and_the_same_for_greedy_ones():
+    """A sampled request's text depends on how many draws each k takes, so repeats average that
+    luck only where each draws anew: its seed moves on every repeat, a greedy one stays."""
+    from bench.workload import WorkItem, reseeded
+
+    sampled = WorkItem("a", SamplingParams(temperature=0.8, seed=7), phase="x", arrival_s=None)
+    unseeded = WorkItem("b", SamplingParams(temperature=0.8), phase="x", arrival_s=None)
+    greedy = WorkItem("c", SamplingParams(seed=7), phase="x", arrival_s=None)
+    items = [sampled, unseeded, greedy]
+    assert reseeded(items, 0) == items
+    seeds = [reseeded(items, repeat)[0].params.seed for repeat in range(4)]
+    assert seeds[0] == 7 and len(set(seeds)) == 4
+    for repeat in (1, 2):
+        again = reseeded(items, repeat)
+        assert again[1:] == items[1:] and again[0].prompt == "a" and again[0].params.temperature == 0.8
+
+
 def test_the_suite_names_how_to_fetch_the_published_model_where_it_is_absent(tmp_path, monkeypatch):
     import bench.published
     from bench.suite import main as suite_main
