@@ -66,6 +66,9 @@ def widest(items: list[WorkItem], concurrency: int) -> int:
     return max([concurrency] + [i.concurrency for i in items if i.concurrency is not None])
 
 
+SEED_STEP = 100_003  # how far each repeat moves a seed: a prime far beyond the seeds the suite's files hold
+
+
 def reseeded(items: list[WorkItem], repeat: int) -> list[WorkItem]:
     """`items` with every sampled request's seed moved on by `repeat` (repeat 0: as written). A
     seeded sampled request's text depends on how many draws each k takes, so every mode writes a
@@ -79,6 +82,3 @@ def reseeded(items: list[WorkItem], repeat: int) -> list[WorkItem]:
         else i
         for i in items
     ]
-
-
-SEED_STEP = 100_003  # a prime far beyond the seeds the suite's files hold
